@@ -1,0 +1,1 @@
+"""chatplane: edge."""
