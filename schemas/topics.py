@@ -1,0 +1,77 @@
+"""Names and sizes of every persistent part of the log and the stores.
+
+Changelog, consumer-group and table names derive from these, so they are schema: change one and the
+old data is orphaned. Nothing else in the project spells a topic or table name as a string.
+
+Data flow (DESIGN section 2)::
+
+    edge, workers, timers --COMMANDS(user_id)--> admission processor --LEDGER(user_id)--> read models, audit
+                                                        |--DISPATCH.<pool>.<tier>(generation_id)--> workers
+                                                        |--WORKER_CONTROL(partition per worker)--> owning worker
+                                                        |--EDGE_INBOX(partition per edge)--> edge (decisions)
+                                                        `--USAGE(user_id)--> analysts
+    workers --EDGE_INBOX--> edge (deltas);  workers --CAPACITY--> edge admission
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Partition counts. COMMANDS and LEDGER (and the processor's changelog) must have the same count:
+# the processor asserts that co-partitioning at start-up.
+USER_PARTITIONS = 8
+DISPATCH_PARTITIONS = 4
+WORKER_CONTROL_PARTITIONS = 16
+EDGE_INBOX_PARTITIONS = 8
+CAPACITY_PARTITIONS = 1
+DEAD_LETTER_PARTITIONS = 1
+
+DAY_MS = 24 * 3600 * 1000
+HOUR_MS = 3600 * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class TopicSpec:
+    """One topic: its name, partition count, retention and cleanup policy."""
+
+    name: str
+    partitions: int
+    retention_ms: int
+    cleanup_policy: str = "delete"
+
+
+COMMANDS = TopicSpec("chatplane.commands", USER_PARTITIONS, 7 * DAY_MS)
+LEDGER = TopicSpec("chatplane.ledger", USER_PARTITIONS, -1)  # the audit record: kept (see docs/retention.md)
+USAGE = TopicSpec("chatplane.usage", USER_PARTITIONS, 400 * DAY_MS)
+WORKER_CONTROL = TopicSpec("chatplane.worker-control", WORKER_CONTROL_PARTITIONS, 6 * HOUR_MS)
+# Holds generated text in flight: short retention by design.
+EDGE_INBOX = TopicSpec("chatplane.edge-inbox", EDGE_INBOX_PARTITIONS, 1 * HOUR_MS)
+CAPACITY = TopicSpec("chatplane.capacity", CAPACITY_PARTITIONS, 1 * HOUR_MS)
+DEAD_LETTER = TopicSpec("chatplane.dead-letter", DEAD_LETTER_PARTITIONS, 14 * DAY_MS)
+
+# Model pools and tiers: one dispatch topic per (pool, tier).
+POOLS = ("default",)
+TIERS = ("paid", "free")
+
+
+def dispatch_topic(pool: str, tier: str) -> TopicSpec:
+    """The dispatch topic of one model pool and tier (key: generation_id)."""
+    return TopicSpec(f"chatplane.dispatch.{pool}.{tier}", DISPATCH_PARTITIONS, 6 * HOUR_MS)
+
+
+# The processor's faust app id and its table; the changelog topic name faust derives is
+# "<app id>-<table>-changelog", and it must also have USER_PARTITIONS partitions.
+PROCESSOR_APP_ID = "chatplane-admission"
+USER_TO_LEDGER_TABLE = "user_to_ledger"
+
+
+def all_topics() -> tuple[TopicSpec, ...]:
+    """Every topic the stack needs, created explicitly (never by broker auto-creation)."""
+    dispatch = tuple(dispatch_topic(p, t) for p in POOLS for t in TIERS)
+    return (COMMANDS, LEDGER, USAGE, WORKER_CONTROL, EDGE_INBOX, CAPACITY, DEAD_LETTER, *dispatch)
+
+
+# Cassandra.
+KEYSPACE = "chatplane"
+GENERATIONS_TABLE = "generations_by_id"
+RESULTS_TABLE = "results_by_generation"
