@@ -1,0 +1,783 @@
+#!/usr/bin/env python3
+"""Run a real single-node Kafka (KRaft, broker+controller in one JVM) and a real Cassandra on this
+machine, from the jars ``infra/fetch`` resolved into ``infra/lib/``.
+
+Usage (normally through the wrappers beside this file)::
+
+    stack.py kafka-start | kafka-stop | cassandra-start | cassandra-stop
+    stack.py wait kafka|cassandra [--timeout S]
+    stack.py create-topics            # every topic of schemas.topics.all_topics() + the keyspace
+    stack.py status
+
+Start commands run the server in the background (own session, pid in ``.run/``), and return only
+once a real client call succeeds: an aiokafka admin metadata request for Kafka, a CQL
+``SELECT release_version FROM system.local`` for Cassandra. They are idempotent: a server already
+answering on the configured port is left alone. The last line a start prints is
+``chatplane-infra: <name> started pid=N`` or ``chatplane-infra: <name> already running``
+(tests/conftest.py reads it to know whether it must stop the server again).
+
+Every knob is an environment variable (see ``Config`` and docs/infra.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+INFRA = Path(__file__).resolve().parent
+ROOT = INFRA.parent
+LIB = INFRA / "lib"
+MARKER = ".complete"
+
+# Named waits and timeouts (seconds). The ready timeouts can be overridden by environment.
+KAFKA_READY_TIMEOUT_S = 90.0
+CASSANDRA_READY_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 45.0
+POLL_INTERVAL_S = 0.5
+PROBE_REQUEST_TIMEOUT_S = 5.0
+ALREADY_RUNNING_PROBE_TIMEOUT_S = 3.0
+STORAGE_FORMAT_TIMEOUT_S = 120.0
+LOG_TAIL_LINES = 40
+
+
+def _env(name: str, default: str) -> str:
+    value = os.environ.get(name, "")
+    return value if value else default
+
+
+@dataclass(frozen=True)
+class Config:
+    kafka_port: int
+    kafka_controller_port: int
+    kafka_bootstrap: str
+    kafka_heap: str
+    kafka_replication: int
+    cassandra_port: int
+    cassandra_storage_port: int
+    cassandra_hosts: tuple[str, ...]
+    cassandra_heap: str
+    cassandra_rf: int
+    var_dir: Path
+    run_dir: Path
+    java: str
+    kafka_ready_timeout_s: float
+    cassandra_ready_timeout_s: float
+
+    @staticmethod
+    def from_env() -> "Config":
+        kport = int(_env("CHATPLANE_KAFKA_PORT", "9092"))
+        cport = int(_env("CHATPLANE_CASSANDRA_PORT", "9042"))
+        java_home = os.environ.get("CHATPLANE_JAVA_HOME") or os.environ.get("JAVA_HOME") or ""
+        java = _env("CHATPLANE_JAVA", str(Path(java_home) / "bin" / "java") if java_home else "java")
+        return Config(
+            kafka_port=kport,
+            kafka_controller_port=int(_env("CHATPLANE_KAFKA_CONTROLLER_PORT", "9093")),
+            kafka_bootstrap=_env("CHATPLANE_KAFKA_BOOTSTRAP", f"127.0.0.1:{kport}"),
+            kafka_heap=_env("CHATPLANE_KAFKA_HEAP", "512m"),
+            kafka_replication=int(_env("CHATPLANE_KAFKA_REPLICATION", "1")),
+            cassandra_port=cport,
+            cassandra_storage_port=int(_env("CHATPLANE_CASSANDRA_STORAGE_PORT", "7000")),
+            cassandra_hosts=tuple(h.strip() for h in _env("CHATPLANE_CASSANDRA_HOSTS", "127.0.0.1").split(",") if h.strip()),
+            cassandra_heap=_env("CHATPLANE_CASSANDRA_HEAP", "1G"),
+            cassandra_rf=int(_env("CHATPLANE_CASSANDRA_RF", "1")),
+            var_dir=Path(_env("CHATPLANE_VAR_DIR", str(ROOT / "var"))).resolve(),
+            run_dir=Path(_env("CHATPLANE_RUN_DIR", str(ROOT / ".run"))).resolve(),
+            java=java,
+            kafka_ready_timeout_s=float(_env("CHATPLANE_KAFKA_READY_TIMEOUT_S", str(KAFKA_READY_TIMEOUT_S))),
+            cassandra_ready_timeout_s=float(
+                _env("CHATPLANE_CASSANDRA_READY_TIMEOUT_S", str(CASSANDRA_READY_TIMEOUT_S))
+            ),
+        )
+
+
+class InfraError(Exception):
+    """A one-line, user-facing failure."""
+
+
+def say(msg: str) -> None:
+    print(f"chatplane-infra: {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# prerequisites
+
+
+def require_java(cfg: Config) -> str:
+    java = shutil.which(cfg.java) if os.sep not in cfg.java else (cfg.java if os.access(cfg.java, os.X_OK) else None)
+    if not java:
+        raise InfraError(
+            f"'{cfg.java}' not found: install a JDK 17 (e.g. apt-get install openjdk-17-jdk-headless) "
+            "or set CHATPLANE_JAVA / JAVA_HOME"
+        )
+    return java
+
+
+def require_jars(component: str) -> Path:
+    lib = LIB / component
+    if not (lib / MARKER).exists():
+        if not shutil.which("mvn"):
+            raise InfraError("'mvn' not found: install Maven 3.8+ (e.g. apt-get install maven) to fetch the jars")
+        say(f"{component} jars missing: running infra/fetch {component}")
+        subprocess.run([str(INFRA / "fetch"), component], check=True)
+    return lib
+
+
+# --------------------------------------------------------------------------------------------
+# process bookkeeping
+
+
+def pid_file(cfg: Config, name: str) -> Path:
+    return cfg.run_dir / f"{name}.pid"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def recorded_pid(cfg: Config, name: str, main_class: str) -> int | None:
+    """The pid in .run/<name>.pid if that process is alive and is really our server."""
+    f = pid_file(cfg, name)
+    try:
+        pid = int(f.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if main_class in _cmdline(pid):
+        return pid
+    return None
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no log at {path})"
+
+
+def spawn(cmd: list[str], log: Path, cwd: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # survives this script; stopped by pid
+        )
+
+
+def stop_pid(pid: int, name: str, main_class: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if main_class not in _cmdline(pid):
+            return
+        time.sleep(POLL_INTERVAL_S)
+    say(f"{name} pid={pid} did not stop within {timeout_s:.0f}s: SIGKILL")
+    os.kill(pid, signal.SIGKILL)
+    while main_class in _cmdline(pid):
+        time.sleep(POLL_INTERVAL_S)
+
+
+def stop(cfg: Config, name: str, main_class: str) -> None:
+    pid = recorded_pid(cfg, name, main_class)
+    if pid is None:
+        say(f"{name} not running (no live pid in {pid_file(cfg, name)})")
+    else:
+        stop_pid(pid, name, main_class)
+        say(f"{name} stopped (pid={pid})")
+    pid_file(cfg, name).unlink(missing_ok=True)
+
+
+def wait_ready(name: str, probe, timeout_s: float, proc: subprocess.Popen | None, log: Path) -> float:
+    """Poll ``probe()`` (True when a real request succeeded) until ready; return seconds waited."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    last_err = ""
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise InfraError(f"{name} exited with code {proc.returncode} before it was ready; log {log}:\n{tail(log)}")
+        try:
+            if probe():
+                return time.monotonic() - t0
+        except Exception as exc:  # noqa: BLE001 - any failure means "not ready yet"
+            last_err = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() >= deadline:
+            raise InfraError(f"{name} not ready after {timeout_s:.0f}s (last error: {last_err}); log {log}:\n{tail(log)}")
+        time.sleep(POLL_INTERVAL_S)
+
+
+# --------------------------------------------------------------------------------------------
+# Kafka
+
+KAFKA_MAIN = "kafka.Kafka"
+KAFKA_STORAGE_TOOL = "kafka.tools.StorageTool"
+
+
+def kafka_dirs(cfg: Config) -> tuple[Path, Path, Path]:
+    base = cfg.var_dir / "kafka"
+    return base / "data", base / "logs", base / "conf"
+
+
+def kafka_probe(bootstrap: str) -> bool:
+    try:
+        from aiokafka.admin import AIOKafkaAdminClient
+    except ImportError as exc:  # pragma: no cover
+        raise InfraError("aiokafka not importable: create the venv first (make venv)") from exc
+
+    async def go() -> bool:
+        admin = AIOKafkaAdminClient(
+            bootstrap_servers=bootstrap, request_timeout_ms=int(PROBE_REQUEST_TIMEOUT_S * 1000)
+        )
+        try:
+            await asyncio.wait_for(admin.start(), PROBE_REQUEST_TIMEOUT_S)
+            cluster = await asyncio.wait_for(admin.describe_cluster(), PROBE_REQUEST_TIMEOUT_S)
+            await asyncio.wait_for(admin.list_topics(), PROBE_REQUEST_TIMEOUT_S)
+            return bool(cluster.get("brokers")) and cluster.get("controller_id", -1) != -1
+        finally:
+            await admin.close()
+
+    return asyncio.run(go())
+
+
+def kafka_probe_quiet(bootstrap: str) -> bool:
+    try:
+        return kafka_probe(bootstrap)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def write_kafka_config(cfg: Config) -> Path:
+    data, logs, conf = kafka_dirs(cfg)
+    for d in (data, logs, conf):
+        d.mkdir(parents=True, exist_ok=True)
+    props = conf / "server.properties"
+    props.write_text(
+        "\n".join(
+            [
+                "# Generated by infra/stack.py: single-node KRaft, broker and controller in one JVM.",
+                "process.roles=broker,controller",
+                "node.id=1",
+                f"controller.quorum.voters=1@127.0.0.1:{cfg.kafka_controller_port}",
+                f"listeners=PLAINTEXT://127.0.0.1:{cfg.kafka_port},CONTROLLER://127.0.0.1:{cfg.kafka_controller_port}",
+                f"advertised.listeners=PLAINTEXT://127.0.0.1:{cfg.kafka_port}",
+                "controller.listener.names=CONTROLLER",
+                "inter.broker.listener.name=PLAINTEXT",
+                "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+                f"log.dirs={data}",
+                "num.partitions=1",
+                "default.replication.factor=1",
+                "min.insync.replicas=1",
+                "auto.create.topics.enable=false",
+                "delete.topic.enable=true",
+                "offsets.topic.replication.factor=1",
+                "offsets.topic.num.partitions=8",
+                "transaction.state.log.replication.factor=1",
+                "transaction.state.log.min.isr=1",
+                "transaction.state.log.num.partitions=4",
+                "share.coordinator.state.topic.replication.factor=1",
+                "share.coordinator.state.topic.min.isr=1",
+                "group.initial.rebalance.delay.ms=0",
+                "num.network.threads=2",
+                "num.io.threads=4",
+                "num.recovery.threads.per.data.dir=1",
+                "log.retention.check.interval.ms=60000",
+                "log.segment.bytes=67108864",
+                "",
+            ]
+        )
+    )
+    (conf / "log4j2.xml").write_text(
+        f"""<?xml version="1.0" encoding="UTF-8"?>
+<Configuration status="warn">
+  <Appenders>
+    <RollingFile name="server" fileName="{logs}/server.log" filePattern="{logs}/server.log.%i">
+      <PatternLayout pattern="[%d] %p %m (%c)%n"/>
+      <Policies><SizeBasedTriggeringPolicy size="50MB"/></Policies>
+      <DefaultRolloverStrategy max="3"/>
+    </RollingFile>
+  </Appenders>
+  <Loggers>
+    <Logger name="kafka.request.logger" level="warn"/>
+    <Logger name="org.apache.kafka.controller" level="info"/>
+    <Logger name="state.change.logger" level="warn"/>
+    <Root level="info"><AppenderRef ref="server"/></Root>
+  </Loggers>
+</Configuration>
+"""
+    )
+    return props
+
+
+def kafka_jvm(cfg: Config, java: str, lib: Path, conf: Path, logs: Path) -> list[str]:
+    return [
+        java,
+        f"-Xms{cfg.kafka_heap}",
+        f"-Xmx{cfg.kafka_heap}",
+        "-XX:+UseG1GC",
+        "-XX:MaxGCPauseMillis=20",
+        "-XX:+ExplicitGCInvokesConcurrent",
+        "-Djava.awt.headless=true",
+        f"-Dkafka.logs.dir={logs}",
+        f"-Dlog4j2.configurationFile=file:{conf / 'log4j2.xml'}",
+        "-cp",
+        f"{lib}/*",
+    ]
+
+
+def kafka_cluster_id() -> str:
+    # Kafka's Uuid text form: URL-safe base64 of 16 random bytes, no padding, not starting with '-'.
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
+
+
+def kafka_start(cfg: Config) -> None:
+    if cfg.kafka_bootstrap != f"127.0.0.1:{cfg.kafka_port}":
+        say(f"CHATPLANE_KAFKA_BOOTSTRAP={cfg.kafka_bootstrap} is external: not starting a local Kafka")
+        wait_ready("kafka", lambda: kafka_probe(cfg.kafka_bootstrap), cfg.kafka_ready_timeout_s, None, Path("-"))
+        say("kafka already running")
+        return
+    _, logs, conf = kafka_dirs(cfg)
+    log = logs / "stdout.log"
+    pid = recorded_pid(cfg, "kafka", KAFKA_MAIN)
+    if pid is not None:
+        waited = wait_ready("kafka", lambda: kafka_probe(cfg.kafka_bootstrap), cfg.kafka_ready_timeout_s, None, log)
+        say(f"kafka (pid={pid}) ready at {cfg.kafka_bootstrap} after {waited:.1f}s")
+        say("kafka already running")
+        return
+    if kafka_probe_quiet(cfg.kafka_bootstrap):
+        say(f"a Kafka not started by infra/ answers at {cfg.kafka_bootstrap}: using it")
+        say("kafka already running")
+        return
+    java = require_java(cfg)
+    lib = require_jars("kafka")
+    props = write_kafka_config(cfg)
+    data, logs, conf = kafka_dirs(cfg)
+    t0 = time.monotonic()
+    if not (data / "meta.properties").exists():
+        cid = kafka_cluster_id()
+        say(f"formatting Kafka storage in {data} (cluster id {cid})")
+        fmt = subprocess.run(
+            [*kafka_jvm(cfg, java, lib, conf, logs), KAFKA_STORAGE_TOOL, "format", "-t", cid, "-c", str(props)],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=STORAGE_FORMAT_TIMEOUT_S,
+        )
+        if fmt.returncode != 0:
+            raise InfraError(f"kafka storage format failed:\n{fmt.stdout}\n{fmt.stderr}")
+    proc = spawn([*kafka_jvm(cfg, java, lib, conf, logs), KAFKA_MAIN, str(props)], log, ROOT)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    pid_file(cfg, "kafka").write_text(f"{proc.pid}\n")
+    try:
+        wait_ready("kafka", lambda: kafka_probe(cfg.kafka_bootstrap), cfg.kafka_ready_timeout_s, proc, logs / "server.log")
+    except BaseException:
+        if proc.poll() is None:
+            stop_pid(proc.pid, "kafka", KAFKA_MAIN)
+        pid_file(cfg, "kafka").unlink(missing_ok=True)
+        raise
+    say(f"kafka ready at {cfg.kafka_bootstrap} in {time.monotonic() - t0:.1f}s; data {data}, logs {logs}")
+    say(f"kafka started pid={proc.pid}")
+
+
+# --------------------------------------------------------------------------------------------
+# Cassandra
+
+CASSANDRA_MAIN = "org.apache.cassandra.service.CassandraDaemon"
+
+# From Cassandra 5.0 conf/jvm17-server.options (JPMS exports/opens and Netty settings), plus the
+# relevant parts of conf/jvm-server.options.
+CASSANDRA_JVM17_OPTIONS = [
+    "-XX:+UseG1GC",
+    "-XX:+ParallelRefProcEnabled",
+    "-XX:MaxTenuringThreshold=1",
+    "-XX:G1HeapRegionSize=16m",
+    "-XX:G1RSetUpdatingPauseTimePercent=5",
+    "-XX:MaxGCPauseMillis=300",
+    "-XX:InitiatingHeapOccupancyPercent=70",
+    "-Djdk.attach.allowAttachSelf=true",
+    "--add-exports", "java.base/jdk.internal.misc=ALL-UNNAMED",
+    "--add-exports", "java.management.rmi/com.sun.jmx.remote.internal.rmi=ALL-UNNAMED",
+    "--add-exports", "java.rmi/sun.rmi.registry=ALL-UNNAMED",
+    "--add-exports", "java.rmi/sun.rmi.server=ALL-UNNAMED",
+    "--add-exports", "java.sql/java.sql=ALL-UNNAMED",
+    "--add-exports", "java.base/java.lang.ref=ALL-UNNAMED",
+    "--add-exports", "jdk.unsupported/sun.misc=ALL-UNNAMED",
+    "--add-exports", "jdk.compiler/com.sun.tools.javac.file=ALL-UNNAMED",
+    "--add-exports", "jdk.attach/sun.tools.attach=ALL-UNNAMED",
+    "--add-opens", "java.base/java.lang.module=ALL-UNNAMED",
+    "--add-opens", "java.base/jdk.internal.loader=ALL-UNNAMED",
+    "--add-opens", "java.base/jdk.internal.ref=ALL-UNNAMED",
+    "--add-opens", "java.base/jdk.internal.reflect=ALL-UNNAMED",
+    "--add-opens", "java.base/jdk.internal.math=ALL-UNNAMED",
+    "--add-opens", "java.base/jdk.internal.module=ALL-UNNAMED",
+    "--add-opens", "java.base/jdk.internal.util.jar=ALL-UNNAMED",
+    "--add-opens", "jdk.management/com.sun.management.internal=ALL-UNNAMED",
+    "--add-opens", "java.base/sun.nio.ch=ALL-UNNAMED",
+    "--add-opens", "java.base/java.io=ALL-UNNAMED",
+    "--add-opens", "java.base/java.lang.reflect=ALL-UNNAMED",
+    "--add-opens", "jdk.compiler/com.sun.tools.javac=ALL-UNNAMED",
+    "--add-opens", "java.base/java.lang=ALL-UNNAMED",
+    "--add-opens", "java.base/java.util=ALL-UNNAMED",
+    "-Dio.netty.tryReflectionSetAccessible=true",
+    "-Dio.netty.allocator.useCacheForAllThreads=true",
+    "-Dio.netty.allocator.maxOrder=11",
+    # jvm-server.options
+    "-ea",
+    "-da:net.openhft...",
+    "-XX:+UseThreadPriorities",
+    "-XX:+HeapDumpOnOutOfMemoryError",
+    "-XX:+ExitOnOutOfMemoryError",
+    "-Xss256k",
+    # (-XX:+AlwaysPreTouch left out: touching the whole heap up front slows the cold start.)
+    "-XX:+UseTLAB",
+    "-XX:+ResizeTLAB",
+    "-XX:+UseNUMA",
+    "-XX:+PerfDisableSharedMem",
+    "-Djava.net.preferIPv4Stack=true",
+    "-XX:+UnlockDiagnosticVMOptions",
+    "-XX:+DebugNonSafepoints",
+    "-XX:+PreserveFramePointer",
+    "-Dcassandra.max_queued_native_transport_requests=1024",
+]
+
+
+def cassandra_dirs(cfg: Config) -> dict[str, Path]:
+    base = cfg.var_dir / "cassandra"
+    return {
+        "base": base,
+        "data": base / "data",
+        "commitlog": base / "commitlog",
+        "saved_caches": base / "saved_caches",
+        "hints": base / "hints",
+        "cdc_raw": base / "cdc_raw",
+        "logs": base / "logs",
+        "conf": base / "conf",
+    }
+
+
+def cassandra_probe(hosts: tuple[str, ...], port: int) -> bool:
+    try:
+        from cassandra.cluster import Cluster
+    except ImportError as exc:  # pragma: no cover
+        raise InfraError("cassandra-driver not importable: create the venv first (make venv)") from exc
+    cluster = Cluster(
+        contact_points=list(hosts),
+        port=port,
+        connect_timeout=PROBE_REQUEST_TIMEOUT_S,
+        control_connection_timeout=PROBE_REQUEST_TIMEOUT_S,
+    )
+    try:
+        session = cluster.connect()
+        row = session.execute(
+            "SELECT release_version FROM system.local", timeout=PROBE_REQUEST_TIMEOUT_S
+        ).one()
+        return bool(row and row.release_version)
+    finally:
+        cluster.shutdown()
+
+
+def cassandra_probe_quiet(hosts: tuple[str, ...], port: int) -> bool:
+    import logging
+
+    logging.getLogger("cassandra").setLevel(logging.CRITICAL)
+    try:
+        return cassandra_probe(hosts, port)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def write_cassandra_config(cfg: Config) -> dict[str, Path]:
+    d = cassandra_dirs(cfg)
+    for p in d.values():
+        p.mkdir(parents=True, exist_ok=True)
+    (d["conf"] / "cassandra.yaml").write_text(
+        f"""# Generated by infra/stack.py: one local node, nothing durable that matters.
+cluster_name: chatplane
+num_tokens: 1
+initial_token: 0
+partitioner: org.apache.cassandra.dht.Murmur3Partitioner
+endpoint_snitch: SimpleSnitch
+seed_provider:
+  - class_name: org.apache.cassandra.locator.SimpleSeedProvider
+    parameters:
+      - seeds: "127.0.0.1:{cfg.cassandra_storage_port}"
+listen_address: 127.0.0.1
+rpc_address: 127.0.0.1
+storage_port: {cfg.cassandra_storage_port}
+start_native_transport: true
+native_transport_port: {cfg.cassandra_port}
+authenticator: AllowAllAuthenticator
+authorizer: AllowAllAuthorizer
+role_manager: CassandraRoleManager
+network_authorizer: AllowAllNetworkAuthorizer
+data_file_directories:
+  - {d["data"]}
+commitlog_directory: {d["commitlog"]}
+saved_caches_directory: {d["saved_caches"]}
+hints_directory: {d["hints"]}
+cdc_raw_directory: {d["cdc_raw"]}
+commitlog_sync: periodic
+commitlog_sync_period: 10000ms
+commitlog_segment_size: 32MiB
+disk_failure_policy: stop
+commit_failure_policy: stop
+hinted_handoff_enabled: false
+auto_snapshot: false
+snapshot_before_compaction: false
+concurrent_reads: 8
+concurrent_writes: 8
+concurrent_counter_writes: 8
+concurrent_compactors: 1
+memtable_allocation_type: heap_buffers
+dynamic_snitch: false
+"""
+    )
+    (d["conf"] / "logback.xml").write_text(
+        f"""<configuration scan="false">
+  <appender name="SYSTEMLOG" class="ch.qos.logback.core.rolling.RollingFileAppender">
+    <file>{d["logs"]}/system.log</file>
+    <rollingPolicy class="ch.qos.logback.core.rolling.FixedWindowRollingPolicy">
+      <fileNamePattern>{d["logs"]}/system.log.%i</fileNamePattern>
+      <minIndex>1</minIndex><maxIndex>3</maxIndex>
+    </rollingPolicy>
+    <triggeringPolicy class="ch.qos.logback.core.rolling.SizeBasedTriggeringPolicy">
+      <maxFileSize>50MB</maxFileSize>
+    </triggeringPolicy>
+    <encoder><pattern>%-5level [%thread] %date{{ISO8601}} %F:%L - %msg%n</pattern></encoder>
+  </appender>
+  <logger name="org.apache.cassandra" level="INFO"/>
+  <root level="INFO"><appender-ref ref="SYSTEMLOG"/></root>
+</configuration>
+"""
+    )
+    return d
+
+
+def cassandra_start(cfg: Config) -> None:
+    local = cfg.cassandra_hosts == ("127.0.0.1",) or cfg.cassandra_hosts == ("localhost",)
+    d = cassandra_dirs(cfg)
+    log = d["logs"] / "system.log"
+    if not local:
+        say(f"CHATPLANE_CASSANDRA_HOSTS={','.join(cfg.cassandra_hosts)} is external: not starting a local Cassandra")
+        wait_ready("cassandra", lambda: cassandra_probe(cfg.cassandra_hosts, cfg.cassandra_port),
+                   cfg.cassandra_ready_timeout_s, None, Path("-"))
+        say("cassandra already running")
+        return
+    pid = recorded_pid(cfg, "cassandra", CASSANDRA_MAIN)
+    if pid is not None:
+        waited = wait_ready("cassandra", lambda: cassandra_probe(cfg.cassandra_hosts, cfg.cassandra_port),
+                            cfg.cassandra_ready_timeout_s, None, log)
+        say(f"cassandra (pid={pid}) ready at {cfg.cassandra_hosts[0]}:{cfg.cassandra_port} after {waited:.1f}s")
+        say("cassandra already running")
+        return
+    if cassandra_probe_quiet(cfg.cassandra_hosts, cfg.cassandra_port):
+        say(f"a Cassandra not started by infra/ answers at {cfg.cassandra_hosts[0]}:{cfg.cassandra_port}: using it")
+        say("cassandra already running")
+        return
+    java = require_java(cfg)
+    lib = require_jars("cassandra")
+    d = write_cassandra_config(cfg)
+    jamm = sorted(lib.glob("jamm-*.jar"))
+    cmd = [
+        java,
+        f"-Xms{cfg.cassandra_heap}",
+        f"-Xmx{cfg.cassandra_heap}",
+        *CASSANDRA_JVM17_OPTIONS,
+        *([f"-javaagent:{jamm[0]}"] if jamm else []),
+        f"-Dcassandra.config=file://{d['conf'] / 'cassandra.yaml'}",
+        f"-Dcassandra.storagedir={d['base']}",
+        f"-Dcassandra.logdir={d['logs']}",
+        f"-Dlogback.configurationFile=file://{d['conf'] / 'logback.xml'}",
+        "-Dcassandra-foreground=yes",
+        "-Dcassandra.skip_wait_for_gossip_to_settle=0",
+        "-Dcassandra.ring_delay_ms=1000",
+        "-Dcassandra.initial_token=0",
+        "-cp",
+        f"{lib}/*",
+        CASSANDRA_MAIN,
+    ]
+    # No -Dcassandra.jmx.local.port: JMX stays off (no port 7199 to clash on; nodetool is not used).
+    t0 = time.monotonic()
+    proc = spawn(cmd, d["logs"] / "stdout.log", ROOT)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    pid_file(cfg, "cassandra").write_text(f"{proc.pid}\n")
+    try:
+        wait_ready("cassandra", lambda: cassandra_probe(cfg.cassandra_hosts, cfg.cassandra_port),
+                   cfg.cassandra_ready_timeout_s, proc, log)
+    except BaseException:
+        if proc.poll() is None:
+            stop_pid(proc.pid, "cassandra", CASSANDRA_MAIN)
+        pid_file(cfg, "cassandra").unlink(missing_ok=True)
+        raise
+    say(
+        f"cassandra ready at {cfg.cassandra_hosts[0]}:{cfg.cassandra_port} in {time.monotonic() - t0:.1f}s; "
+        f"data {d['base']}, logs {d['logs']}"
+    )
+    say(f"cassandra started pid={proc.pid}")
+
+
+# --------------------------------------------------------------------------------------------
+# topics and keyspace
+
+TOPIC_ALREADY_EXISTS = 36
+CREATE_TOPICS_TIMEOUT_MS = 30000
+
+
+def create_topics(cfg: Config) -> None:
+    sys.path.insert(0, str(ROOT))
+    from schemas import topics as T  # noqa: N812
+
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    specs = T.all_topics()
+
+    async def go() -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap, request_timeout_ms=CREATE_TOPICS_TIMEOUT_MS)
+        await admin.start()
+        try:
+            existing = {t["topic"]: t for t in await admin.describe_topics()}
+            missing = [s for s in specs if s.name not in existing]
+            if missing:
+                resp = await admin.create_topics(
+                    [
+                        NewTopic(
+                            s.name,
+                            s.partitions,
+                            cfg.kafka_replication,
+                            topic_configs={"retention.ms": str(s.retention_ms), "cleanup.policy": s.cleanup_policy},
+                        )
+                        for s in missing
+                    ],
+                    timeout_ms=CREATE_TOPICS_TIMEOUT_MS,
+                )
+                for err in resp.topic_errors:
+                    name, code = err[0], err[1]
+                    if code not in (0, TOPIC_ALREADY_EXISTS):
+                        raise InfraError(f"creating topic {name} failed: error code {code} {err[2:] or ''}")
+                for s in missing:
+                    say(f"topic {s.name}: created ({s.partitions} partitions, retention.ms={s.retention_ms})")
+            for s in specs:
+                if s.name in existing:
+                    have = len(existing[s.name]["partitions"])
+                    if have != s.partitions:
+                        raise InfraError(
+                            f"topic {s.name} exists with {have} partitions, schema says {s.partitions}: "
+                            "partition counts are schema, fix the cluster by hand"
+                        )
+                    # Keep retention in line with the schema (idempotent).
+                    responses = await admin.alter_configs(
+                        [
+                            ConfigResource(
+                                ConfigResourceType.TOPIC,
+                                s.name,
+                                configs={"retention.ms": str(s.retention_ms), "cleanup.policy": s.cleanup_policy},
+                            )
+                        ]
+                    )
+                    for r in responses:
+                        for res in r.to_object()["resources"]:
+                            if res["error_code"] != 0:
+                                raise InfraError(
+                                    f"setting configs of topic {s.name} failed: error code {res['error_code']} "
+                                    f"{res.get('error_message') or ''}"
+                                )
+                    say(f"topic {s.name}: exists ({have} partitions), retention.ms={s.retention_ms}")
+        finally:
+            await admin.close()
+
+    asyncio.run(go())
+
+    from cassandra.cluster import Cluster
+
+    cluster = Cluster(contact_points=list(cfg.cassandra_hosts), port=cfg.cassandra_port)
+    try:
+        session = cluster.connect()
+        session.execute(
+            f"CREATE KEYSPACE IF NOT EXISTS {T.KEYSPACE} WITH replication = "
+            f"{{'class': 'SimpleStrategy', 'replication_factor': {cfg.cassandra_rf}}}"
+        )
+        say(f"keyspace {T.KEYSPACE}: present (SimpleStrategy, RF {cfg.cassandra_rf})")
+    finally:
+        cluster.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def status(cfg: Config) -> int:
+    k = kafka_probe_quiet(cfg.kafka_bootstrap)
+    c = cassandra_probe_quiet(cfg.cassandra_hosts, cfg.cassandra_port)
+    kp = recorded_pid(cfg, "kafka", KAFKA_MAIN)
+    cp = recorded_pid(cfg, "cassandra", CASSANDRA_MAIN)
+    say(f"kafka     {cfg.kafka_bootstrap:<22} {'ready' if k else 'DOWN'}{f' pid={kp}' if kp else ''}")
+    hp = f"{cfg.cassandra_hosts[0]}:{cfg.cassandra_port}"
+    say(f"cassandra {hp:<22} {'ready' if c else 'DOWN'}{f' pid={cp}' if cp else ''}")
+    return 0 if (k and c) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="infra/stack.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "command",
+        choices=["kafka-start", "kafka-stop", "cassandra-start", "cassandra-stop", "wait", "create-topics", "status"],
+    )
+    ap.add_argument("component", nargs="?", choices=["kafka", "cassandra"])
+    ap.add_argument("--timeout", type=float, default=None, help="seconds (wait only)")
+    args = ap.parse_args(argv)
+    import logging
+
+    # The probes fail on purpose until the server is up: keep the clients' own retry chatter quiet.
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    for noisy in ("aiokafka", "cassandra"):
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    cfg = Config.from_env()
+    try:
+        if args.command == "kafka-start":
+            kafka_start(cfg)
+        elif args.command == "kafka-stop":
+            stop(cfg, "kafka", KAFKA_MAIN)
+        elif args.command == "cassandra-start":
+            cassandra_start(cfg)
+        elif args.command == "cassandra-stop":
+            stop(cfg, "cassandra", CASSANDRA_MAIN)
+        elif args.command == "wait":
+            if args.component == "kafka":
+                t = args.timeout or cfg.kafka_ready_timeout_s
+                w = wait_ready("kafka", lambda: kafka_probe(cfg.kafka_bootstrap), t, None, kafka_dirs(cfg)[1] / "server.log")
+            elif args.component == "cassandra":
+                t = args.timeout or cfg.cassandra_ready_timeout_s
+                w = wait_ready("cassandra", lambda: cassandra_probe(cfg.cassandra_hosts, cfg.cassandra_port), t, None,
+                               cassandra_dirs(cfg)["logs"] / "system.log")
+            else:
+                ap.error("wait needs kafka or cassandra")
+            say(f"{args.component} ready after {w:.1f}s")
+        elif args.command == "create-topics":
+            create_topics(cfg)
+        elif args.command == "status":
+            return status(cfg)
+    except InfraError as exc:
+        print(f"chatplane-infra: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

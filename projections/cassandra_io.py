@@ -1,0 +1,63 @@
+"""Bridge cassandra-driver's callback futures into asyncio.
+
+cassandra-driver runs its own I/O thread (on CPython 3.11 with the PyPI wheel the default connection
+class is ``cassandra.io.libevreactor.LibevConnection``; the compiled libev wrapper ships in the
+wheel). ``session.execute_async`` returns a ``ResponseFuture`` whose callbacks fire on that thread,
+so results are handed to the asyncio loop with ``loop.call_soon_threadsafe``. Never call the
+blocking ``session.execute`` from a coroutine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+# Default bound on one statement, client side (the server has its own read/write timeouts).
+DEFAULT_STATEMENT_TIMEOUT_S = 10.0
+
+
+def _settle(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+    if fut.done():  # cancelled or timed out meanwhile
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+async def execute(
+    session: Any,
+    statement: Any,
+    parameters: Any = None,
+    *,
+    timeout_s: float = DEFAULT_STATEMENT_TIMEOUT_S,
+) -> list:
+    """Run one statement without blocking the loop and return all its rows (first page onwards).
+
+    Raises the driver's exception on failure and ``asyncio.TimeoutError`` (``TimeoutError``) when
+    no answer came within ``timeout_s`` (the driver is told the same timeout).
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+    rows: list = []
+    response = session.execute_async(statement, parameters, timeout=timeout_s)
+
+    def hand_over(result: Any, exc: BaseException | None) -> None:
+        try:
+            loop.call_soon_threadsafe(_settle, fut, result, exc)
+        except RuntimeError:  # the loop closed before the driver answered: nobody is waiting
+            pass
+
+    def on_page(page: Any) -> None:
+        # Called on the driver's thread, once per page.
+        rows.extend(page)
+        if response.has_more_pages:
+            response.start_fetching_next_page()
+        else:
+            hand_over(list(rows), None)
+
+    def on_error(exc: BaseException) -> None:
+        hand_over(None, exc)
+
+    response.add_callbacks(on_page, on_error)
+    return await asyncio.wait_for(fut, timeout_s)
