@@ -1,0 +1,602 @@
+"""``decide(state, command, policy) -> Decision``: the per-user admission state machine.
+
+Pure: no I/O, no clock, no randomness. Time is the command's ``issued_at_ms``; generation ids and
+event ids are derived from the command, so a redelivered command decides the same way against the
+same state. A refusal is data (an ``Outcome`` with a ``RejectionCode``), never an exception.
+
+Where this sits: the admission processor (``projections/``) calls ``control_plane.aggregate.handle``,
+which de-duplicates command ids, calls this, folds the events with ``evolve`` and routes them.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, assert_never
+
+from control_plane.policy import Policy
+from control_plane.state import RequestRecord, UserLedger, reservation_id, usage_key
+from schemas import events as ev
+from schemas.codes import (
+    CancelReason,
+    FenceReason,
+    FinishOutcome,
+    RejectionCode,
+    RequestStatus,
+    ReservationState,
+    SlotReleaseReason,
+)
+from schemas.commands import (
+    AcceptAttempt,
+    CancelGeneration,
+    Command,
+    DeclineAttempt,
+    ReconcileDue,
+    RenewLease,
+    ReportAttemptFinished,
+    SubmitGeneration,
+)
+from schemas.messages import Outcome, OutcomeKind, RejectionDetails
+
+# Retry hints for the two retryable admission refusals the ledger decides.
+CONCURRENCY_RETRY_AFTER_MS = 2_000
+CAPACITY_RETRY_AFTER_MS = 1_000
+
+_FAILURE_CODES = frozenset({RejectionCode.MODEL_BACKEND_ERROR, RejectionCode.GENERATION_TIMEOUT})
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    events: tuple[ev.Event, ...]
+    outcome: Outcome
+
+
+def generation_id_for(user_id: str, command_id: str) -> str:
+    """A fixed-length id derived from the admitting command (fixed length: SGLang matches rids by prefix)."""
+    digest = hashlib.blake2b(f"{user_id}\x00{command_id}".encode(), digest_size=10).digest()
+    return "gen_" + base64.b32encode(digest).decode().lower()
+
+
+class _Emitter:
+    """Builds the events of one command with ids ``<command_id>/<n>`` and the command's time."""
+
+    __slots__ = ("command", "events")
+
+    def __init__(self, command: Command) -> None:
+        self.command = command
+        self.events: list[ev.Event] = []
+
+    def emit(self, cls: Callable[..., ev.Event], generation_id: str, **fields: Any) -> None:
+        c = self.command
+        self.events.append(
+            cls(
+                event_id=f"{c.command_id}/{len(self.events)}",
+                command_id=c.command_id,
+                user_id=c.user_id,
+                generation_id=generation_id,
+                occurred_at_ms=c.issued_at_ms,
+                **fields,
+            )
+        )
+
+    def decision(self, kind: OutcomeKind, record: RequestRecord | None = None, **fields: Any) -> Decision:
+        c = self.command
+        if record is not None:
+            fields.setdefault("generation_id", record.generation_id)
+            fields.setdefault("epoch", record.epoch)
+            fields.setdefault("model_version", record.model_version)
+        return Decision(
+            tuple(self.events),
+            Outcome(
+                command_id=c.command_id,
+                request_id=c.reply_to.request_id if c.reply_to is not None else None,
+                kind=kind,
+                **fields,
+            ),
+        )
+
+    def reject(self, code: RejectionCode, record: RequestRecord | None = None, **fields: Any) -> Decision:
+        if record is not None:
+            fields.setdefault("status", record.status)
+        return self.decision(OutcomeKind.REJECTED, record, code=code, **fields)
+
+
+def decide(state: UserLedger, command: Command, policy: Policy) -> Decision:
+    out = _Emitter(command)
+    match command:
+        case SubmitGeneration():
+            return _submit(state, command, policy, out)
+        case AcceptAttempt():
+            return _accept(state, command, policy, out)
+        case DeclineAttempt():
+            return _decline(state, command, out)
+        case RenewLease():
+            return _renew(state, command, policy, out)
+        case CancelGeneration():
+            return _cancel(state, command, out)
+        case ReportAttemptFinished():
+            return _report(state, command, policy, out)
+        case ReconcileDue():
+            return _reconcile(state, command, policy, out)
+        case _:
+            assert_never(command)
+
+
+# --- submit ---------------------------------------------------------------------------------
+
+
+def _submit(state: UserLedger, c: SubmitGeneration, policy: Policy, out: _Emitter) -> Decision:
+    record = state.requests.get(c.idempotency_key)
+    if record is not None:
+        return _resubmit(state, record, c, policy, out)
+    model = policy.models.get(c.model_alias)
+    if model is None:
+        return out.reject(RejectionCode.INVALID_REQUEST, details=RejectionDetails(field="model"))
+    if c.tier not in model.tiers:
+        return out.reject(RejectionCode.MODEL_NOT_ALLOWED, details=RejectionDetails(field="model"))
+    if c.max_output_tokens > policy.max_output_tokens_max:
+        return out.reject(RejectionCode.INVALID_REQUEST, details=RejectionDetails(field="max_output_tokens"))
+    if len(state.requests) >= policy.dedup_records_per_user_max:
+        _purge_oldest_settled(state, out)
+    generation_id = generation_id_for(c.user_id, c.command_id)
+    return _admit(state, c, policy, out, generation_id, model.version, model.pool, epoch=1, created=True)
+
+
+def _resubmit(state: UserLedger, record: RequestRecord, c: SubmitGeneration, policy: Policy, out: _Emitter) -> Decision:
+    if record.fingerprint != c.fingerprint:
+        return out.reject(RejectionCode.IDEMPOTENCY_CONFLICT)
+    status = record.status
+    if status.active:
+        return out.reject(RejectionCode.GENERATION_IN_PROGRESS, record)
+    if status is RequestStatus.COMPLETED:
+        if c.issued_at_ms < record.result_expires_at_ms:
+            return out.decision(
+                OutcomeKind.EXISTING, record, status=status, result_expires_at_ms=record.result_expires_at_ms
+            )
+        return out.reject(RejectionCode.RESULT_UNAVAILABLE, record)
+    if status is RequestStatus.REJECTED:
+        assert record.code is not None
+        return out.reject(record.code, record, details=_quota_details(state, record, policy))
+    if status is RequestStatus.ADMISSION_RETRYABLE:
+        # Proven never started (or never dispatched): a fresh reservation under the current window,
+        # the same generation id, the model version resolved at first admission, the next epoch.
+        return _admit(
+            state, c, policy, out, record.generation_id, record.model_version, record.pool, record.epoch + 1, created=False
+        )
+    # CANCELLED or FAILED: the terminal generation is never restarted by its key.
+    return out.decision(OutcomeKind.EXISTING, record, status=status, code=record.code)
+
+
+def _quota_details(state: UserLedger, record: RequestRecord, policy: Policy) -> RejectionDetails:
+    window = state.windows.get(record.reset_at_ms - policy.window_ms)
+    limit = window.limit if window else policy.quota_limit(record.tier)
+    remaining = max(0, limit - window.used - window.reserved) if window else limit
+    return RejectionDetails(limit=limit, remaining=remaining, reset_at_ms=record.reset_at_ms)
+
+
+def _admit(
+    state: UserLedger,
+    c: SubmitGeneration,
+    policy: Policy,
+    out: _Emitter,
+    generation_id: str,
+    model_version: str,
+    pool: str,
+    epoch: int,
+    created: bool,
+) -> Decision:
+    window_start = policy.window_start_ms(c.issued_at_ms)
+    window_end = window_start + policy.window_ms
+    window = state.windows.get(window_start)
+    limit = window.limit if window else policy.quota_limit(c.tier)
+    held = (window.used + window.reserved) if window else 0
+
+    def refuse(code: RejectionCode, status: RequestStatus, details: RejectionDetails) -> Decision:
+        out.emit(
+            ev.AdmissionRejected,
+            generation_id,
+            idempotency_key=c.idempotency_key,
+            fingerprint=c.fingerprint,
+            model_alias=c.model_alias,
+            model_version=model_version,
+            tier=c.tier,
+            code=code,
+            status=status,
+            window_start_ms=window_start,
+            window_limit=limit,
+            reset_at_ms=window_end,
+        )
+        return out.reject(
+            code, generation_id=generation_id, status=status, epoch=epoch - 1, model_version=model_version, details=details
+        )
+
+    if held >= limit:
+        return refuse(
+            RejectionCode.QUOTA_EXHAUSTED,
+            RequestStatus.REJECTED,
+            RejectionDetails(limit=limit, remaining=0, reset_at_ms=window_end),
+        )
+    slot = _free_slot(state, policy)
+    if slot is None:
+        return refuse(
+            RejectionCode.CONCURRENCY_LIMITED,
+            RequestStatus.ADMISSION_RETRYABLE,
+            RejectionDetails(retry_after_ms=CONCURRENCY_RETRY_AFTER_MS),
+        )
+    if c.estimated_queue_wait_ms > policy.queue_budget_ms:
+        return refuse(
+            RejectionCode.CAPACITY_EXHAUSTED,
+            RequestStatus.ADMISSION_RETRYABLE,
+            RejectionDetails(retry_after_ms=CAPACITY_RETRY_AFTER_MS),
+        )
+    queue_deadline = c.issued_at_ms + policy.queue_wait_max_ms
+    out.emit(
+        ev.GenerationAdmitted,
+        generation_id,
+        idempotency_key=c.idempotency_key,
+        fingerprint=c.fingerprint,
+        model_alias=c.model_alias,
+        model_version=model_version,
+        pool=pool,
+        tier=c.tier,
+        stream=c.stream,
+        max_output_tokens=c.max_output_tokens,
+        input_tokens=c.input_tokens,
+        epoch=epoch,
+        reservation_id=reservation_id(generation_id, epoch),
+        window_start_ms=window_start,
+        window_end_ms=window_end,
+        window_limit=limit,
+        slot_index=slot,
+        queue_deadline_ms=queue_deadline,
+        reconcile_deadline_ms=queue_deadline + policy.reconcile_grace_ms,
+        reply_to=c.reply_to,
+    )
+    return out.decision(
+        OutcomeKind.ADMITTED,
+        generation_id=generation_id,
+        status=RequestStatus.QUEUED,
+        epoch=epoch,
+        model_version=model_version,
+        details=RejectionDetails(limit=limit, remaining=limit - held - 1, reset_at_ms=window_end),
+    )
+
+
+def _free_slot(state: UserLedger, policy: Policy) -> int | None:
+    if len(state.slots) >= policy.concurrency_limit:
+        return None
+    for index in range(policy.concurrency_limit):
+        if index not in state.slots:
+            return index
+    return None
+
+
+def _purge_oldest_settled(state: UserLedger, out: _Emitter) -> None:
+    settled = [r for r in state.requests.values() if not r.status.active]
+    if settled:
+        oldest = min(settled, key=lambda r: (r.updated_at_ms, r.idempotency_key))
+        out.emit(ev.DedupRecordPurged, oldest.generation_id, idempotency_key=oldest.idempotency_key)
+
+
+# --- worker commands ------------------------------------------------------------------------
+
+
+def _ignore(out: _Emitter, record: RequestRecord, c: Any, reason: str) -> Decision:
+    out.emit(
+        ev.LateReportIgnored,
+        record.generation_id,
+        epoch=c.epoch,
+        command_type=c.type,
+        worker_id=c.worker_id,
+        reason=reason,
+    )
+    return out.reject(RejectionCode.STALE_ATTEMPT, record)
+
+
+def _stale_reason(record: RequestRecord, epoch: int) -> str:
+    if epoch <= record.fenced_epoch:
+        return "fenced_epoch"
+    if record.status.terminal:
+        return "terminal"
+    if epoch != record.epoch:
+        return "stale_epoch"
+    return "not_current_owner"
+
+
+def _accept(state: UserLedger, c: AcceptAttempt, policy: Policy, out: _Emitter) -> Decision:
+    record = state.record_of(c.generation_id)
+    if record is None:
+        return out.reject(RejectionCode.NOT_FOUND, generation_id=c.generation_id)
+    attempt = record.attempt
+    current = attempt is not None and attempt.epoch == c.epoch and c.epoch > record.fenced_epoch
+    if current and record.status is RequestStatus.RUNNING:
+        if attempt.owner_worker_id == c.worker_id:
+            # A repeated acceptance (its acknowledgement was lost): a no-op that confirms ownership.
+            return out.decision(OutcomeKind.EXISTING, record, status=record.status)
+        return _ignore(out, record, c, "owned_elsewhere")
+    if current and record.status is RequestStatus.QUEUED:
+        if c.issued_at_ms > attempt.queue_deadline_ms:
+            _lapse(state, record, out, FenceReason.QUEUE_DEADLINE)
+            return out.reject(RejectionCode.STALE_ATTEMPT, record, status=RequestStatus.ADMISSION_RETRYABLE)
+        out.emit(
+            ev.AttemptAccepted,
+            record.generation_id,
+            epoch=c.epoch,
+            worker_id=c.worker_id,
+            lease_deadline_ms=c.issued_at_ms + policy.lease_ms,
+            run_deadline_ms=c.issued_at_ms + policy.generation_duration_max_ms + policy.run_deadline_grace_ms,
+        )
+        reservation = state.reservations[reservation_id(record.generation_id, c.epoch)]
+        out.emit(
+            ev.ReservationConsumed,
+            record.generation_id,
+            reservation_id=reservation.reservation_id,
+            window_start_ms=reservation.window_start_ms,
+            epoch=c.epoch,
+        )
+        return out.decision(OutcomeKind.APPLIED, record, status=RequestStatus.RUNNING)
+    return _ignore(out, record, c, _stale_reason(record, c.epoch))
+
+
+def _decline(state: UserLedger, c: DeclineAttempt, out: _Emitter) -> Decision:
+    record = state.record_of(c.generation_id)
+    if record is None:
+        return out.reject(RejectionCode.NOT_FOUND, generation_id=c.generation_id)
+    attempt = record.attempt
+    if record.status is RequestStatus.QUEUED and attempt is not None and attempt.epoch == c.epoch:
+        out.emit(ev.AttemptDeclined, record.generation_id, epoch=c.epoch, worker_id=c.worker_id, reason=c.reason)
+        _lapse(state, record, out, FenceReason.DECLINED)
+        return out.decision(OutcomeKind.APPLIED, record, status=RequestStatus.ADMISSION_RETRYABLE)
+    if c.epoch <= record.fenced_epoch:
+        # Already fenced and settled: repeating a decline changes nothing.
+        return out.decision(OutcomeKind.EXISTING, record, status=record.status)
+    return _ignore(out, record, c, _stale_reason(record, c.epoch))
+
+
+def _renew(state: UserLedger, c: RenewLease, policy: Policy, out: _Emitter) -> Decision:
+    record = state.record_of(c.generation_id)
+    if record is None:
+        return out.reject(RejectionCode.NOT_FOUND, generation_id=c.generation_id)
+    attempt = record.attempt
+    if (
+        record.status is RequestStatus.RUNNING
+        and attempt is not None
+        and attempt.epoch == c.epoch
+        and attempt.owner_worker_id == c.worker_id
+        and c.epoch > record.fenced_epoch
+    ):
+        deadline = min(c.issued_at_ms + policy.lease_ms, attempt.run_deadline_ms)
+        out.emit(
+            ev.LeaseRenewed,
+            record.generation_id,
+            epoch=c.epoch,
+            lease_deadline_ms=max(deadline, attempt.lease_deadline_ms),
+            output_tokens=max(c.output_tokens, attempt.output_tokens_reported),
+        )
+        kind = OutcomeKind.CANCEL_REQUESTED if attempt.cancel_reason is not None else OutcomeKind.APPLIED
+        return out.decision(kind, record, status=record.status)
+    return _ignore(out, record, c, _stale_reason(record, c.epoch))
+
+
+# --- cancel ---------------------------------------------------------------------------------
+
+
+def _cancel(state: UserLedger, c: CancelGeneration, out: _Emitter) -> Decision:
+    record = state.record_of(c.generation_id)
+    if record is None:
+        return out.reject(RejectionCode.NOT_FOUND, generation_id=c.generation_id)
+    status = record.status
+    if status is RequestStatus.QUEUED:
+        # Not accepted, and acceptance can only commit here: fencing the epoch proves it never starts.
+        _release_unstarted(state, record, out, FenceReason.CANCELLED_IN_QUEUE)
+        out.emit(ev.GenerationCancelled, record.generation_id, epoch=record.epoch, reason=c.reason, partial=False)
+        return out.decision(OutcomeKind.APPLIED, record, status=RequestStatus.CANCELLED)
+    if status is RequestStatus.ADMISSION_RETRYABLE:
+        out.emit(ev.GenerationCancelled, record.generation_id, epoch=record.epoch, reason=c.reason, partial=False)
+        return out.decision(OutcomeKind.APPLIED, record, status=RequestStatus.CANCELLED)
+    if status is RequestStatus.RUNNING:
+        attempt = record.attempt
+        assert attempt is not None and attempt.owner_worker_id is not None
+        if attempt.cancel_reason is None:
+            out.emit(
+                ev.CancelRequested,
+                record.generation_id,
+                epoch=attempt.epoch,
+                owner_worker_id=attempt.owner_worker_id,
+                reason=c.reason,
+            )
+        return out.decision(OutcomeKind.CANCEL_REQUESTED, record, status=status)
+    return out.decision(OutcomeKind.EXISTING, record, status=status, code=record.code)
+
+
+# --- finalization ---------------------------------------------------------------------------
+
+
+def _report(state: UserLedger, c: ReportAttemptFinished, policy: Policy, out: _Emitter) -> Decision:
+    record = state.record_of(c.generation_id)
+    if record is None:
+        return out.reject(RejectionCode.NOT_FOUND, generation_id=c.generation_id)
+    attempt = record.attempt
+    if (
+        record.status is RequestStatus.RUNNING
+        and attempt is not None
+        and attempt.epoch == c.epoch
+        and attempt.owner_worker_id == c.worker_id
+        and c.epoch > record.fenced_epoch
+    ):
+        _release_slot(state, record, out, SlotReleaseReason.STOP_ACKNOWLEDGED)
+        _record_usage(state, record, out, c.input_tokens, c.output_tokens, c.finish_reason or c.outcome.value, c.outcome)
+        partial = c.output_tokens > 0
+        if c.outcome is FinishOutcome.COMPLETED:
+            out.emit(
+                ev.GenerationCompleted,
+                record.generation_id,
+                epoch=c.epoch,
+                finish_reason=c.finish_reason,
+                result_expires_at_ms=c.issued_at_ms + policy.result_ttl_ms,
+            )
+            status = RequestStatus.COMPLETED
+        elif c.outcome is FinishOutcome.STOPPED and attempt.cancel_reason is not None:
+            out.emit(
+                ev.GenerationCancelled, record.generation_id, epoch=c.epoch, reason=attempt.cancel_reason, partial=partial
+            )
+            status = RequestStatus.CANCELLED
+        else:
+            # A failure, or a stop nobody asked for: the worker could not finish the generation.
+            code = c.error_code if c.error_code in _FAILURE_CODES else RejectionCode.MODEL_BACKEND_ERROR
+            out.emit(ev.GenerationFailed, record.generation_id, epoch=c.epoch, code=code, partial=partial)
+            status = RequestStatus.FAILED
+        return out.decision(OutcomeKind.APPLIED, record, status=status)
+    if record.status.terminal and record.epoch == c.epoch and c.epoch > record.fenced_epoch:
+        # The finalization was committed before and its acknowledgement lost: a repeat is a no-op.
+        return out.decision(OutcomeKind.EXISTING, record, status=record.status, code=record.code)
+    return _ignore(out, record, c, _stale_reason(record, c.epoch))
+
+
+def _record_usage(
+    state: UserLedger,
+    record: RequestRecord,
+    out: _Emitter,
+    input_tokens: int,
+    output_tokens: int,
+    reason: str,
+    outcome: FinishOutcome | None,
+) -> None:
+    if usage_key(record.generation_id, record.epoch) in state.usage:
+        return
+    reservation = state.reservations.get(reservation_id(record.generation_id, record.epoch))
+    out.emit(
+        ev.UsageRecorded,
+        record.generation_id,
+        epoch=record.epoch,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        terminal_reason=reason,
+        outcome=outcome,
+        model_version=record.model_version,
+        tier=record.tier,
+        window_start_ms=reservation.window_start_ms if reservation else 0,
+    )
+
+
+# --- shared transitions ---------------------------------------------------------------------
+
+
+def _release_slot(state: UserLedger, record: RequestRecord, out: _Emitter, reason: SlotReleaseReason) -> None:
+    for index, generation_id in state.slots.items():
+        if generation_id == record.generation_id:
+            out.emit(ev.ConcurrencySlotReleased, record.generation_id, slot_index=index, epoch=record.epoch, reason=reason)
+            return
+
+
+def _release_unstarted(state: UserLedger, record: RequestRecord, out: _Emitter, reason: FenceReason) -> None:
+    """Fence a queued epoch, release its reservation once and free its slot."""
+    out.emit(ev.AttemptFenced, record.generation_id, epoch=record.epoch, reason=reason)
+    reservation = state.reservations.get(reservation_id(record.generation_id, record.epoch))
+    if reservation is not None:
+        out.emit(
+            ev.ReservationReleased,
+            record.generation_id,
+            reservation_id=reservation.reservation_id,
+            window_start_ms=reservation.window_start_ms,
+            epoch=record.epoch,
+            reason=reason,
+        )
+    _release_slot(state, record, out, SlotReleaseReason.NEVER_ACCEPTED)
+
+
+def _lapse(state: UserLedger, record: RequestRecord, out: _Emitter, reason: FenceReason) -> None:
+    """A dispatched attempt proven never started returns the request to its retryable admission state."""
+    _release_unstarted(state, record, out, reason)
+    out.emit(
+        ev.GenerationReturnedToAdmission, record.generation_id, epoch=record.epoch, code=RejectionCode.CAPACITY_EXHAUSTED
+    )
+
+
+def _expire_running(state: UserLedger, record: RequestRecord, out: _Emitter, reason: FenceReason) -> None:
+    """A lease or run deadline passed: fence the epoch so nothing from it counts, then settle."""
+    attempt = record.attempt
+    assert attempt is not None
+    out.emit(ev.AttemptFenced, record.generation_id, epoch=record.epoch, reason=reason)
+    _release_slot(state, record, out, SlotReleaseReason.LEASE_FENCED)
+    tokens = attempt.output_tokens_reported
+    _record_usage(state, record, out, record.input_tokens, tokens, reason.value, None)
+    if attempt.cancel_reason is not None:
+        out.emit(
+            ev.GenerationCancelled, record.generation_id, epoch=record.epoch, reason=attempt.cancel_reason, partial=tokens > 0
+        )
+        return
+    code = RejectionCode.GENERATION_TIMEOUT if reason is FenceReason.RUN_DEADLINE else RejectionCode.MODEL_BACKEND_ERROR
+    out.emit(ev.GenerationFailed, record.generation_id, epoch=record.epoch, code=code, partial=tokens > 0)
+
+
+# --- deadlines ------------------------------------------------------------------------------
+
+
+def purge_at_ms(record: RequestRecord, policy: Policy) -> int | None:
+    """When a settled request record may be forgotten; ``None`` while it is active."""
+    if record.status.active:
+        return None
+    settled_at = record.terminal_at_ms if record.status.terminal else record.updated_at_ms
+    return settled_at + policy.dedup_retention_ms
+
+
+def _reconcile(state: UserLedger, c: ReconcileDue, policy: Policy, out: _Emitter) -> Decision:
+    now = c.as_of_ms
+    for record in state.requests.values():
+        attempt = record.attempt
+        if record.status is RequestStatus.QUEUED and attempt is not None:
+            if attempt.reconcile_deadline_ms <= now:
+                _lapse(state, record, out, FenceReason.QUEUE_DEADLINE)
+        elif record.status is RequestStatus.RUNNING and attempt is not None:
+            if attempt.run_deadline_ms <= now:
+                _expire_running(state, record, out, FenceReason.RUN_DEADLINE)
+            elif attempt.lease_deadline_ms <= now:
+                _expire_running(state, record, out, FenceReason.LEASE_EXPIRED)
+        else:
+            purge_at = purge_at_ms(record, policy)
+            if purge_at is not None and purge_at <= now:
+                out.emit(ev.DedupRecordPurged, record.generation_id, idempotency_key=record.idempotency_key)
+    for window in state.windows.values():
+        # A window is retained while any reservation in it is unresolved, even past its end.
+        if window.window_end_ms <= now and window.reserved == 0:
+            released = sum(
+                1
+                for r in state.reservations.values()
+                if r.window_start_ms == window.window_start_ms and r.state is ReservationState.RELEASED
+            )
+            out.emit(
+                ev.QuotaWindowRetired, "", window_start_ms=window.window_start_ms, used=window.used, released=released
+            )
+    kind = OutcomeKind.APPLIED if out.events else OutcomeKind.EXISTING
+    return out.decision(kind)
+
+
+def next_deadline_ms(state: UserLedger, policy: Policy) -> int | None:
+    """The earliest time a ``ReconcileDue`` would change this state (for the deadline timer)."""
+    best: int | None = None
+
+    def consider(t: int) -> None:
+        nonlocal best
+        if best is None or t < best:
+            best = t
+
+    for record in state.requests.values():
+        attempt = record.attempt
+        if record.status is RequestStatus.QUEUED and attempt is not None:
+            consider(attempt.reconcile_deadline_ms)
+        elif record.status is RequestStatus.RUNNING and attempt is not None:
+            consider(min(attempt.lease_deadline_ms, attempt.run_deadline_ms))
+        else:
+            purge_at = purge_at_ms(record, policy)
+            if purge_at is not None:
+                consider(purge_at)
+    for window in state.windows.values():
+        if window.reserved == 0:
+            consider(window.window_end_ms)
+    return best
+
+
+__all__ = ["CancelReason", "Decision", "decide", "generation_id_for", "next_deadline_ms", "purge_at_ms"]

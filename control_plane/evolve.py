@@ -1,0 +1,263 @@
+"""``evolve(state, event) -> state``: the only way the per-user ledger changes.
+
+One mutator per event type, dispatched through ``_APPLY`` (exhaustive: an unknown type raises).
+Mutators apply the fact they are given; they do not judge it. Judging is ``decide``'s job, and
+checking a recorded history (for example a corrupted ledger) is ``control_plane.invariants``'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+from control_plane.state import (
+    Attempt,
+    QuotaWindow,
+    RequestRecord,
+    Reservation,
+    UsageEntry,
+    UserLedger,
+    usage_key,
+)
+from schemas.codes import RequestStatus, ReservationState
+from schemas import events as ev
+
+
+def evolve(state: UserLedger, event: ev.Event) -> UserLedger:
+    apply = _APPLY.get(type(event))
+    if apply is None:
+        raise RuntimeError(f"Unrecognized event {type(event).__name__}")
+    return apply(state, event)
+
+
+def evolve_all(state: UserLedger, events: Iterable[ev.Event]) -> UserLedger:
+    for event in events:
+        state = evolve(state, event)
+    return state
+
+
+def _put_request(state: UserLedger, record: RequestRecord, at_ms: int) -> UserLedger:
+    requests = dict(state.requests)
+    requests[record.idempotency_key] = record
+    by_generation = state.by_generation
+    if by_generation.get(record.generation_id) != record.idempotency_key:
+        by_generation = dict(by_generation)
+        by_generation[record.generation_id] = record.idempotency_key
+    return replace(state, requests=requests, by_generation=by_generation, last_event_ms=max(state.last_event_ms, at_ms))
+
+
+def _update(state: UserLedger, event: Any, **changes: Any) -> UserLedger:
+    record = state.record_of(event.generation_id)
+    if record is None:
+        # A fact about a generation this state never saw (only possible in a damaged ledger).
+        return state
+    changes.setdefault("updated_at_ms", event.occurred_at_ms)
+    return _put_request(state, replace(record, **changes), event.occurred_at_ms)
+
+
+def _window(state: UserLedger, start_ms: int) -> QuotaWindow | None:
+    return state.windows.get(start_ms)
+
+
+def _put_window(state: UserLedger, window: QuotaWindow) -> dict[int, QuotaWindow]:
+    windows = dict(state.windows)
+    windows[window.window_start_ms] = window
+    return windows
+
+
+def _admitted(state: UserLedger, e: ev.GenerationAdmitted) -> UserLedger:
+    window = _window(state, e.window_start_ms) or QuotaWindow(e.window_start_ms, e.window_end_ms, e.window_limit)
+    window = replace(window, reserved=window.reserved + 1)
+    reservations = dict(state.reservations)
+    reservations[e.reservation_id] = Reservation(
+        e.reservation_id, e.generation_id, e.epoch, e.window_start_ms, ReservationState.RESERVED, e.reconcile_deadline_ms
+    )
+    slots = dict(state.slots)
+    slots[e.slot_index] = e.generation_id
+    previous = state.requests.get(e.idempotency_key)
+    record = RequestRecord(
+        idempotency_key=e.idempotency_key,
+        fingerprint=e.fingerprint,
+        generation_id=e.generation_id,
+        model_alias=e.model_alias,
+        model_version=e.model_version,
+        pool=e.pool,
+        tier=e.tier,
+        stream=e.stream,
+        max_output_tokens=e.max_output_tokens,
+        input_tokens=e.input_tokens,
+        status=RequestStatus.QUEUED,
+        epoch=e.epoch,
+        fenced_epoch=previous.fenced_epoch if previous else 0,
+        created_at_ms=previous.created_at_ms if previous else e.occurred_at_ms,
+        updated_at_ms=e.occurred_at_ms,
+        attempt=Attempt(e.epoch, None, e.queue_deadline_ms, e.reconcile_deadline_ms),
+        reply_to=e.reply_to,
+    )
+    state = replace(state, windows=_put_window(state, window), reservations=reservations, slots=slots)
+    return _put_request(state, record, e.occurred_at_ms)
+
+
+def _rejected(state: UserLedger, e: ev.AdmissionRejected) -> UserLedger:
+    previous = state.requests.get(e.idempotency_key)
+    record = RequestRecord(
+        idempotency_key=e.idempotency_key,
+        fingerprint=e.fingerprint,
+        generation_id=e.generation_id,
+        model_alias=e.model_alias,
+        model_version=e.model_version,
+        pool=previous.pool if previous else "default",
+        tier=e.tier,
+        stream=previous.stream if previous else False,
+        max_output_tokens=previous.max_output_tokens if previous else 0,
+        input_tokens=previous.input_tokens if previous else 0,
+        status=e.status,
+        epoch=previous.epoch if previous else 0,
+        fenced_epoch=previous.fenced_epoch if previous else 0,
+        created_at_ms=previous.created_at_ms if previous else e.occurred_at_ms,
+        updated_at_ms=e.occurred_at_ms,
+        code=e.code,
+        terminal_at_ms=e.occurred_at_ms if e.status.terminal else 0,
+        reset_at_ms=e.reset_at_ms,
+    )
+    return _put_request(state, record, e.occurred_at_ms)
+
+
+def _accepted(state: UserLedger, e: ev.AttemptAccepted) -> UserLedger:
+    record = state.record_of(e.generation_id)
+    if record is None or record.attempt is None:
+        return state
+    attempt = replace(
+        record.attempt, owner_worker_id=e.worker_id, lease_deadline_ms=e.lease_deadline_ms, run_deadline_ms=e.run_deadline_ms
+    )
+    return _update(state, e, status=RequestStatus.RUNNING, attempt=attempt)
+
+
+def _settle_reservation(state: UserLedger, reservation_id: str, to: ReservationState, evidence: str) -> UserLedger:
+    reservation = state.reservations.get(reservation_id)
+    if reservation is None:
+        return state
+    reservations = dict(state.reservations)
+    reservations[reservation_id] = replace(reservation, state=to, evidence=evidence)
+    window = state.windows.get(reservation.window_start_ms)
+    windows = state.windows
+    if window is not None:
+        used = window.used + (1 if to is ReservationState.CONSUMED else 0)
+        windows = _put_window(state, replace(window, reserved=window.reserved - 1, used=used))
+    return replace(state, reservations=reservations, windows=windows)
+
+
+def _consumed(state: UserLedger, e: ev.ReservationConsumed) -> UserLedger:
+    return _settle_reservation(state, e.reservation_id, ReservationState.CONSUMED, e.command_id)
+
+
+def _released(state: UserLedger, e: ev.ReservationReleased) -> UserLedger:
+    return _settle_reservation(state, e.reservation_id, ReservationState.RELEASED, e.reason.value)
+
+
+def _declined(state: UserLedger, e: ev.AttemptDeclined) -> UserLedger:
+    return replace(state, last_event_ms=max(state.last_event_ms, e.occurred_at_ms))
+
+
+def _fenced(state: UserLedger, e: ev.AttemptFenced) -> UserLedger:
+    record = state.record_of(e.generation_id)
+    if record is None:
+        return state
+    return _update(state, e, fenced_epoch=max(record.fenced_epoch, e.epoch))
+
+
+def _renewed(state: UserLedger, e: ev.LeaseRenewed) -> UserLedger:
+    record = state.record_of(e.generation_id)
+    if record is None or record.attempt is None:
+        return state
+    attempt = replace(record.attempt, lease_deadline_ms=e.lease_deadline_ms, output_tokens_reported=e.output_tokens)
+    return _update(state, e, attempt=attempt)
+
+
+def _cancel_requested(state: UserLedger, e: ev.CancelRequested) -> UserLedger:
+    record = state.record_of(e.generation_id)
+    if record is None or record.attempt is None:
+        return state
+    return _update(state, e, attempt=replace(record.attempt, cancel_reason=e.reason))
+
+
+def _slot_released(state: UserLedger, e: ev.ConcurrencySlotReleased) -> UserLedger:
+    if state.slots.get(e.slot_index) != e.generation_id:
+        return state
+    slots = dict(state.slots)
+    del slots[e.slot_index]
+    return replace(state, slots=slots)
+
+
+def _returned(state: UserLedger, e: ev.GenerationReturnedToAdmission) -> UserLedger:
+    return _update(state, e, status=RequestStatus.ADMISSION_RETRYABLE, attempt=None, code=e.code)
+
+
+def _terminal(state: UserLedger, e: Any, status: RequestStatus, **changes: Any) -> UserLedger:
+    return _update(state, e, status=status, attempt=None, terminal_at_ms=e.occurred_at_ms, **changes)
+
+
+def _completed(state: UserLedger, e: ev.GenerationCompleted) -> UserLedger:
+    return _terminal(state, e, RequestStatus.COMPLETED, code=None, result_expires_at_ms=e.result_expires_at_ms)
+
+
+def _cancelled(state: UserLedger, e: ev.GenerationCancelled) -> UserLedger:
+    return _terminal(state, e, RequestStatus.CANCELLED, code=None)
+
+
+def _failed(state: UserLedger, e: ev.GenerationFailed) -> UserLedger:
+    return _terminal(state, e, RequestStatus.FAILED, code=e.code)
+
+
+def _usage(state: UserLedger, e: ev.UsageRecorded) -> UserLedger:
+    usage = dict(state.usage)
+    usage[usage_key(e.generation_id, e.epoch)] = UsageEntry(e.input_tokens, e.output_tokens, e.terminal_reason)
+    return replace(state, usage=usage)
+
+
+def _ignored(state: UserLedger, e: ev.LateReportIgnored) -> UserLedger:
+    return state
+
+
+def _purged(state: UserLedger, e: ev.DedupRecordPurged) -> UserLedger:
+    record = state.requests.get(e.idempotency_key)
+    if record is None:
+        return state
+    requests = dict(state.requests)
+    del requests[e.idempotency_key]
+    by_generation = dict(state.by_generation)
+    by_generation.pop(record.generation_id, None)
+    prefix = record.generation_id + "/"
+    usage = {k: v for k, v in state.usage.items() if not k.startswith(prefix)}
+    return replace(state, requests=requests, by_generation=by_generation, usage=usage)
+
+
+def _window_retired(state: UserLedger, e: ev.QuotaWindowRetired) -> UserLedger:
+    windows = dict(state.windows)
+    windows.pop(e.window_start_ms, None)
+    reservations = {k: r for k, r in state.reservations.items() if r.window_start_ms != e.window_start_ms}
+    return replace(state, windows=windows, reservations=reservations)
+
+
+_APPLY: dict[type, Callable[[UserLedger, Any], UserLedger]] = {
+    ev.GenerationAdmitted: _admitted,
+    ev.AdmissionRejected: _rejected,
+    ev.AttemptAccepted: _accepted,
+    ev.ReservationConsumed: _consumed,
+    ev.ReservationReleased: _released,
+    ev.AttemptDeclined: _declined,
+    ev.AttemptFenced: _fenced,
+    ev.LeaseRenewed: _renewed,
+    ev.CancelRequested: _cancel_requested,
+    ev.ConcurrencySlotReleased: _slot_released,
+    ev.GenerationReturnedToAdmission: _returned,
+    ev.GenerationCompleted: _completed,
+    ev.GenerationCancelled: _cancelled,
+    ev.GenerationFailed: _failed,
+    ev.UsageRecorded: _usage,
+    ev.LateReportIgnored: _ignored,
+    ev.DedupRecordPurged: _purged,
+    ev.QuotaWindowRetired: _window_retired,
+}
+assert set(_APPLY) == set(ev.EVENT_TYPES), "every event type needs a mutator"

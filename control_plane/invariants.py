@@ -1,0 +1,199 @@
+"""The ledger invariants (DESIGN section 4), defined once.
+
+Imported by the unit and property tests, the seeded simulator and the audit tool. Two kinds of check:
+
+- ``check_state(state)``: what must hold of any per-user state (invariants 1, 2, 6, 7).
+- ``InvariantMonitor``: what must hold of a history of events, checked one event at a time while
+  folding the events into state (invariants 3, 4, 5, 7, 8, 9, plus event-id uniqueness).
+
+They return ``Violation`` values instead of raising, so the auditor can report every violation of a
+damaged ledger with its event id; tests and the simulator fail on the first one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+from control_plane.evolve import evolve
+from control_plane.state import UserLedger
+from schemas import events as ev
+from schemas.codes import ReservationState, SlotReleaseReason
+from schemas.wire import encode
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    invariant: int  # the number in DESIGN section 4; 0 for event-id uniqueness
+    message: str
+    user_id: str
+    event_id: str | None = None
+
+    def __str__(self) -> str:
+        where = f" at {self.event_id}" if self.event_id else ""
+        return f"invariant {self.invariant} ({self.user_id}){where}: {self.message}"
+
+
+def check_state(state: UserLedger, concurrency_limit: int | None = None, event_id: str | None = None) -> list[Violation]:
+    found: list[Violation] = []
+    user = state.user_id
+
+    def bad(invariant: int, message: str) -> None:
+        found.append(Violation(invariant, message, user, event_id))
+
+    counts: Counter[tuple[int, ReservationState]] = Counter(
+        (r.window_start_ms, r.state) for r in state.reservations.values()
+    )
+    for start, window in state.windows.items():
+        if window.used + window.reserved > window.limit:
+            bad(1, f"window {start}: used {window.used} + reserved {window.reserved} > limit {window.limit}")
+        if window.used < 0 or window.reserved < 0:
+            bad(1, f"window {start}: negative counter used={window.used} reserved={window.reserved}")
+        consumed, reserved = counts[(start, ReservationState.CONSUMED)], counts[(start, ReservationState.RESERVED)]
+        if window.used != consumed or window.reserved != reserved:
+            bad(
+                2,
+                f"window {start}: counters used={window.used} reserved={window.reserved} but reservations "
+                f"consumed={consumed} reserved={reserved}",
+            )
+    for reservation in state.reservations.values():
+        if reservation.window_start_ms not in state.windows:
+            bad(2, f"reservation {reservation.reservation_id} references a retired window")
+    if concurrency_limit is not None and len(state.slots) > concurrency_limit:
+        bad(6, f"{len(state.slots)} slots held > limit {concurrency_limit}")
+    holders = Counter(state.slots.values())
+    for generation_id, n in holders.items():
+        if n > 1:
+            bad(6, f"{generation_id} holds {n} slots")
+        record = state.record_of(generation_id)
+        if record is None or not record.status.active:
+            bad(6, f"slot held by {generation_id}, which is not active")
+    for record in state.requests.values():
+        if record.status.active and record.generation_id not in holders:
+            bad(6, f"active generation {record.generation_id} holds no slot")
+        if state.by_generation.get(record.generation_id) != record.idempotency_key:
+            bad(7, f"generation {record.generation_id} is not identified by exactly one key")
+    if len(state.by_generation) != len(state.requests):
+        bad(7, "generation index and request records disagree")
+    return found
+
+
+@dataclass
+class _History:
+    """What the monitor remembers of one generation (bounded by the generations it has seen)."""
+
+    model_version: str
+    accepted_epoch: int = 0
+    fenced_epoch: int = 0
+    terminal_event: str | None = None
+    usage_epochs: set[int] = field(default_factory=set)
+
+
+@dataclass
+class InvariantMonitor:
+    concurrency_limit: int | None = None
+    states: dict[str, UserLedger] = field(default_factory=dict)
+    _history: dict[str, _History] = field(default_factory=dict)
+    _settled: dict[str, ReservationState] = field(default_factory=dict)
+    _seen_ids: dict[str, bytes] = field(default_factory=dict)
+    events_seen: int = 0
+    duplicates_skipped: int = 0
+
+    def observe_batch(self, events: list[ev.Event] | tuple[ev.Event, ...]) -> list[Violation]:
+        """Observe the events of one command (one atomic change), then check the states they touched.
+
+        State invariants hold between commands, not between the events of one command (a slot is
+        released one event before the terminal transition that justifies it).
+        """
+        found: list[Violation] = []
+        users: dict[str, str] = {}
+        for event in events:
+            found.extend(self.observe(event))
+            users[event.user_id] = event.event_id
+        for user_id, last_event_id in users.items():
+            found.extend(check_state(self.states[user_id], self.concurrency_limit, last_event_id))
+        return found
+
+    def observe(self, event: ev.Event) -> list[Violation]:
+        """Check one event against the history so far, then fold it. Duplicates are skipped.
+
+        State invariants are not checked here; see ``observe_batch`` and ``check_all_states``.
+        """
+        body = hashlib.blake2b(encode(event), digest_size=16).digest()
+        previous = self._seen_ids.get(event.event_id)
+        if previous is not None:
+            self.duplicates_skipped += 1
+            if previous != body:
+                return [Violation(0, "event id reused with different content", event.user_id, event.event_id)]
+            return []
+        self._seen_ids[event.event_id] = body
+        self.events_seen += 1
+        found = self._check_history(event)
+        state = self.states.get(event.user_id) or UserLedger(event.user_id)
+        state = evolve(state, event)
+        self.states[event.user_id] = state
+        return found
+
+    def check_all_states(self) -> list[Violation]:
+        found: list[Violation] = []
+        for state in self.states.values():
+            found.extend(check_state(state, self.concurrency_limit))
+        return found
+
+    def _check_history(self, e: ev.Event) -> list[Violation]:
+        found: list[Violation] = []
+
+        def bad(invariant: int, message: str) -> None:
+            found.append(Violation(invariant, message, e.user_id, e.event_id))
+
+        history = self._history.get(e.generation_id)
+        if isinstance(e, (ev.GenerationAdmitted, ev.AdmissionRejected)):
+            if history is None:
+                self._history[e.generation_id] = _History(e.model_version)
+                return found
+            if history.model_version != e.model_version:
+                bad(9, f"{e.generation_id} re-resolved {history.model_version} -> {e.model_version}")
+            if history.terminal_event is not None:
+                bad(7, f"terminal {e.generation_id} restarted by its key ({history.terminal_event})")
+            return found
+        if history is None:
+            if not isinstance(e, (ev.QuotaWindowRetired, ev.DedupRecordPurged)):
+                bad(4, f"{type(e).__name__} for unknown generation {e.generation_id}")
+            return found
+        if history.terminal_event is not None and not isinstance(e, (ev.LateReportIgnored, ev.DedupRecordPurged)):
+            bad(4, f"{type(e).__name__} after terminal {history.terminal_event} of {e.generation_id}")
+        match e:
+            case ev.AttemptAccepted():
+                if history.accepted_epoch:
+                    bad(5, f"{e.generation_id}: epoch {e.epoch} accepted after epoch {history.accepted_epoch}")
+                if e.epoch <= history.fenced_epoch:
+                    bad(5, f"{e.generation_id}: fenced epoch {e.epoch} accepted")
+                history.accepted_epoch = e.epoch
+            case ev.ReservationConsumed() | ev.ReservationReleased():
+                if e.reservation_id in self._settled:
+                    bad(3, f"reservation {e.reservation_id} left RESERVED twice")
+                to = ReservationState.CONSUMED if isinstance(e, ev.ReservationConsumed) else ReservationState.RELEASED
+                self._settled[e.reservation_id] = to
+                if to is ReservationState.CONSUMED and history.accepted_epoch != e.epoch:
+                    bad(3, f"reservation {e.reservation_id} consumed without a committed acceptance")
+                if to is ReservationState.RELEASED and history.accepted_epoch == e.epoch:
+                    bad(3, f"reservation {e.reservation_id} released after its acceptance")
+            case ev.AttemptFenced():
+                history.fenced_epoch = max(history.fenced_epoch, e.epoch)
+            case ev.ConcurrencySlotReleased():
+                if e.reason is SlotReleaseReason.NEVER_ACCEPTED and history.accepted_epoch == e.epoch:
+                    bad(6, f"slot of accepted {e.generation_id} freed as never accepted")
+                if e.reason is SlotReleaseReason.LEASE_FENCED and history.fenced_epoch < e.epoch:
+                    bad(6, f"slot of {e.generation_id} freed on a lease that was not fenced")
+            case ev.UsageRecorded():
+                if e.epoch in history.usage_epochs:
+                    bad(8, f"usage of {e.generation_id} epoch {e.epoch} recorded twice")
+                history.usage_epochs.add(e.epoch)
+            case ev.GenerationCompleted() | ev.GenerationCancelled() | ev.GenerationFailed():
+                history.terminal_event = type(e).__name__
+            case ev.DedupRecordPurged():
+                del self._history[e.generation_id]
+            case _:
+                pass
+        return found

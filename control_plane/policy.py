@@ -1,0 +1,53 @@
+"""Admission policy and the model catalog: the configuration ``decide`` is a pure function of.
+
+Every limit is a named value with its unit in the name (DESIGN section 7). The processor builds one
+``Policy`` at start-up from settings; the core never reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas.codes import Tier
+
+WINDOW_MS = 3 * 3600 * 1000  # UTC-aligned fixed 3-hour quota windows
+HOUR_MS = 3600 * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """One alias of the catalog: the version it resolves to and who may use it."""
+
+    alias: str
+    version: str  # e.g. "smollm2-135m-instruct-q4_1@sha256:<digest>"
+    pool: str = "default"
+    tiers: frozenset[Tier] = frozenset({Tier.FREE, Tier.PAID})
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    quota_limit_by_tier: dict[Tier, int] = field(default_factory=lambda: {Tier.FREE: 40, Tier.PAID: 200})
+    window_ms: int = WINDOW_MS
+    concurrency_limit: int = 2  # active generations per user; queued work counts
+    queue_wait_max_ms: int = 15_000  # hard stop: a dispatch older than this is never accepted
+    queue_budget_ms: int = 2_000  # expected wait above this is refused with capacity_exhausted
+    reconcile_grace_ms: int = 5_000  # after the queue deadline, before the timer fences a queued attempt
+    lease_ms: int = 10_000  # an accepted attempt's lease; the worker renews it
+    generation_duration_max_ms: int = 120_000
+    run_deadline_grace_ms: int = 5_000
+    dedup_retention_ms: int = 24 * HOUR_MS  # request records, after terminal (never while active)
+    result_ttl_ms: int = 1 * HOUR_MS  # the result store's content TTL
+    dedup_records_per_user_max: int = 2_048  # beyond this the oldest settled records are purged early
+    max_output_tokens_max: int = 4_096
+    models: dict[str, ModelEntry] = field(
+        default_factory=lambda: {
+            "fast-text-model": ModelEntry("fast-text-model", "smollm2-135m-instruct-q4_1"),
+        }
+    )
+
+    def quota_limit(self, tier: Tier) -> int:
+        return self.quota_limit_by_tier[tier]
+
+    def window_start_ms(self, at_ms: int) -> int:
+        """Start of the UTC-aligned window containing ``at_ms`` (epoch ms are UTC)."""
+        return at_ms - at_ms % self.window_ms

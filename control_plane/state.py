@@ -1,0 +1,113 @@
+"""The per-user ledger aggregate: the seed's records (section 6) as frozen values.
+
+``UserLedger`` is one table value per user. It is changed only by ``control_plane.evolve`` and read
+by ``control_plane.decide``. Containers are plain dicts treated as immutable: ``evolve`` copies the
+ones it changes, so a state value handed out is never mutated afterwards.
+
+Mapping onto the seed's records:
+
+- Request ``(user_id, idempotency_key)`` -> ``RequestRecord`` in ``requests``.
+- Worker ownership (epoch, owner, lease deadline, cancel intent) -> ``RequestRecord.attempt``.
+- Quota window ``(user_id, window_start)`` -> ``QuotaWindow`` in ``windows``.
+- Reservation -> ``Reservation`` in ``reservations`` (kept while its window is retained).
+- Concurrency slots -> ``slots`` (slot index -> generation id).
+- Usage record ``(generation, epoch)`` -> ``UsageEntry`` in ``usage``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas.codes import CancelReason, RejectionCode, RequestStatus, ReservationState, Tier
+from schemas.commands import ReplyTo
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """Ownership of the current attempt of a generation."""
+
+    epoch: int
+    owner_worker_id: str | None  # None while queued (dispatched, not accepted)
+    queue_deadline_ms: int
+    reconcile_deadline_ms: int
+    lease_deadline_ms: int = 0  # 0 until accepted
+    run_deadline_ms: int = 0
+    cancel_reason: CancelReason | None = None  # cancel intent; not yet confirmed
+    output_tokens_reported: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    idempotency_key: str
+    fingerprint: str
+    generation_id: str
+    model_alias: str
+    model_version: str
+    pool: str
+    tier: Tier
+    stream: bool
+    max_output_tokens: int
+    input_tokens: int
+    status: RequestStatus
+    epoch: int  # the latest epoch dispatched; 0 if never dispatched
+    fenced_epoch: int  # every epoch <= this can never accept
+    created_at_ms: int
+    updated_at_ms: int
+    attempt: Attempt | None = None
+    code: RejectionCode | None = None  # rejection or failure code of the latest transition
+    terminal_at_ms: int = 0
+    result_expires_at_ms: int = 0
+    reset_at_ms: int = 0  # for a quota rejection: the end of the window it was refused in
+    reply_to: ReplyTo | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaWindow:
+    window_start_ms: int
+    window_end_ms: int
+    limit: int
+    used: int = 0
+    reserved: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    reservation_id: str
+    generation_id: str
+    epoch: int
+    window_start_ms: int
+    state: ReservationState
+    reconcile_deadline_ms: int
+    evidence: str | None = None  # the accepting command's id, or the fence reason on release
+
+
+@dataclass(frozen=True, slots=True)
+class UsageEntry:
+    input_tokens: int
+    output_tokens: int
+    terminal_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class UserLedger:
+    user_id: str
+    requests: dict[str, RequestRecord] = field(default_factory=dict)
+    # generation_id -> idempotency_key; derived from ``requests``, kept for O(1) look-ups.
+    by_generation: dict[str, str] = field(default_factory=dict)
+    windows: dict[int, QuotaWindow] = field(default_factory=dict)
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    slots: dict[int, str] = field(default_factory=dict)
+    usage: dict[str, UsageEntry] = field(default_factory=dict)  # "<generation_id>/<epoch>" -> usage
+    last_event_ms: int = 0
+
+    def record_of(self, generation_id: str) -> RequestRecord | None:
+        key = self.by_generation.get(generation_id)
+        return None if key is None else self.requests.get(key)
+
+
+def usage_key(generation_id: str, epoch: int) -> str:
+    return f"{generation_id}/{epoch}"
+
+
+def reservation_id(generation_id: str, epoch: int) -> str:
+    return f"{generation_id}.{epoch}"

@@ -1,0 +1,151 @@
+"""Closed vocabularies shared by every component: tiers, statuses, outcomes and the error table.
+
+``REJECTIONS`` is the seed's error table (section 5) in one place: the edge maps a
+``RejectionCode`` to HTTP through it and nowhere else, and the core returns these codes as data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Tier(StrEnum):
+    FREE = "free"
+    PAID = "paid"
+
+
+class RequestStatus(StrEnum):
+    """Status of one logical request ``(user_id, idempotency_key)``."""
+
+    ADMISSION_RETRYABLE = "admission_retryable"  # holds nothing; a same-key retry re-admits it
+    QUEUED = "queued"  # reservation RESERVED, slot held, dispatched, not accepted
+    RUNNING = "running"  # accepted: reservation CONSUMED
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    REJECTED = "rejected"  # refused for good (quota); the key keeps identifying that refusal
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+    @property
+    def active(self) -> bool:
+        return self is RequestStatus.QUEUED or self is RequestStatus.RUNNING
+
+
+_TERMINAL = frozenset(
+    {RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED, RequestStatus.REJECTED}
+)
+
+
+class ReservationState(StrEnum):
+    RESERVED = "reserved"
+    CONSUMED = "consumed"
+    RELEASED = "released"
+
+
+class FinishOutcome(StrEnum):
+    """How a worker says an attempt ended (finish reasons are a closed set)."""
+
+    COMPLETED = "completed"  # stop token or max_output_tokens reached
+    STOPPED = "stopped"  # the engine acknowledged a stop after a cancel
+    FAILED = "failed"  # engine error, crash detected, or the worker enforced a deadline
+
+
+class CancelReason(StrEnum):
+    USER = "user"
+    CLIENT_DISCONNECT = "client_disconnect"
+    SLOW_CONSUMER = "slow_consumer"
+    DRAIN = "drain"
+
+
+class FenceReason(StrEnum):
+    CANCELLED_IN_QUEUE = "cancelled_in_queue"
+    DECLINED = "declined"
+    QUEUE_DEADLINE = "queue_deadline"
+    LEASE_EXPIRED = "lease_expired"
+    RUN_DEADLINE = "run_deadline"
+
+
+class SlotReleaseReason(StrEnum):
+    """Why a concurrency slot was freed; the only allowed ones (invariant 6)."""
+
+    STOP_ACKNOWLEDGED = "stop_acknowledged"  # the worker reported the attempt ended
+    NEVER_ACCEPTED = "never_accepted"  # fenced before acceptance: cannot have started
+    LEASE_FENCED = "lease_fenced"  # the lease lapsed and the epoch is fenced
+
+
+class ClientAction(StrEnum):
+    FIX_REQUEST = "fix_request"
+    AUTHENTICATE = "authenticate"
+    CHANGE_REQUEST = "change_request"
+    USE_NEW_KEY = "use_new_key"
+    INSPECT_GENERATION = "inspect_generation"
+    REGENERATE_EXPLICITLY = "regenerate_explicitly"
+    WAIT_FOR_RESET = "wait_for_reset"
+    RETRY_AFTER_DELAY = "retry_after_delay"
+    RETRY_SAME_KEY_WITH_BACKOFF = "retry_same_key_with_backoff"
+    RETRY_LATER_NO_STORM = "retry_later_no_storm"
+    MANUAL_REGENERATE = "manual_regenerate"
+    NONE = "none"
+
+
+class RejectionCode(StrEnum):
+    INVALID_REQUEST = "invalid_request"
+    UNAUTHORIZED = "unauthorized"
+    MODEL_NOT_ALLOWED = "model_not_allowed"
+    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+    GENERATION_IN_PROGRESS = "generation_in_progress"
+    RESULT_UNAVAILABLE = "result_unavailable"
+    QUOTA_EXHAUSTED = "quota_exhausted"
+    RATE_LIMITED = "rate_limited"
+    CONCURRENCY_LIMITED = "concurrency_limited"
+    CAPACITY_EXHAUSTED = "capacity_exhausted"
+    QUOTA_SERVICE_UNAVAILABLE = "quota_service_unavailable"
+    MODEL_BACKEND_ERROR = "model_backend_error"
+    GENERATION_TIMEOUT = "generation_timeout"
+    # Not in the client table: answers to workers and to look-ups of unknown ids.
+    NOT_FOUND = "not_found"
+    STALE_ATTEMPT = "stale_attempt"
+
+
+@dataclass(frozen=True, slots=True)
+class RejectionSpec:
+    code: RejectionCode
+    http_status: int
+    retryable: bool
+    action: ClientAction
+    message: str
+
+
+def _spec(code: RejectionCode, status: int, retryable: bool, action: ClientAction, message: str) -> RejectionSpec:
+    return RejectionSpec(code, status, retryable, action, message)
+
+
+_C, _A = RejectionCode, ClientAction
+
+# The seed's section 5 table. ``retryable`` means "an automatic retry may succeed"; for
+# quota_exhausted it is false because no automatic retry succeeds in the current window.
+REJECTIONS: dict[RejectionCode, RejectionSpec] = {
+    s.code: s
+    for s in (
+        _spec(_C.INVALID_REQUEST, 400, False, _A.FIX_REQUEST, "The request is invalid; fix it before retrying."),
+        _spec(_C.UNAUTHORIZED, 401, False, _A.AUTHENTICATE, "Authentication is required."),
+        _spec(_C.MODEL_NOT_ALLOWED, 403, False, _A.CHANGE_REQUEST, "This model is not available to your account."),
+        _spec(_C.IDEMPOTENCY_CONFLICT, 409, False, _A.USE_NEW_KEY, "This Idempotency-Key was used with different content."),
+        _spec(_C.GENERATION_IN_PROGRESS, 409, False, _A.INSPECT_GENERATION, "A generation for this request is already in progress."),
+        _spec(_C.RESULT_UNAVAILABLE, 410, False, _A.REGENERATE_EXPLICITLY, "The generation's content has expired."),
+        _spec(_C.QUOTA_EXHAUSTED, 429, False, _A.WAIT_FOR_RESET, "Your current message allowance has been used."),
+        _spec(_C.RATE_LIMITED, 429, True, _A.RETRY_AFTER_DELAY, "Too many requests; wait before retrying."),
+        _spec(_C.CONCURRENCY_LIMITED, 429, True, _A.RETRY_AFTER_DELAY, "Too many active generations; wait for one to finish."),
+        _spec(_C.CAPACITY_EXHAUSTED, 503, True, _A.RETRY_SAME_KEY_WITH_BACKOFF, "No model capacity is available right now."),
+        _spec(_C.QUOTA_SERVICE_UNAVAILABLE, 503, True, _A.RETRY_LATER_NO_STORM, "Admission is temporarily unavailable."),
+        _spec(_C.MODEL_BACKEND_ERROR, 502, False, _A.MANUAL_REGENERATE, "The model backend failed; inspect the generation."),
+        _spec(_C.GENERATION_TIMEOUT, 504, False, _A.MANUAL_REGENERATE, "The generation ran past its deadline; inspect the generation."),
+        _spec(_C.NOT_FOUND, 404, False, _A.NONE, "No such generation."),
+        _spec(_C.STALE_ATTEMPT, 409, False, _A.NONE, "The attempt is fenced, stale or owned elsewhere."),
+    )
+}
+assert set(REJECTIONS) == set(RejectionCode), "every code needs a row"

@@ -1,0 +1,254 @@
+"""Ledger events: the facts the admission processor commits to the ``ledger`` topic (key ``user_id``).
+
+Each event has a deterministic ``event_id`` (``<command_id>/<index>``) derived from the command that
+caused it, so readers de-duplicate by it; a duplicate id with different content is an invariant
+violation. Replaying these events through ``control_plane.evolve`` rebuilds the per-user state.
+No event carries prompt or output text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from schemas.codes import (
+    CancelReason,
+    FenceReason,
+    FinishOutcome,
+    RejectionCode,
+    RequestStatus,
+    SlotReleaseReason,
+    Tier,
+)
+from schemas.commands import ReplyTo
+
+EVENT_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _EventBase:
+    schema_version: int = EVENT_SCHEMA_VERSION
+    event_id: str
+    command_id: str
+    user_id: str
+    generation_id: str
+    occurred_at_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationAdmitted(_EventBase):
+    """A request reserved a message in ``window_start_ms``, took a slot and was dispatched as ``epoch``."""
+
+    type: Literal["GenerationAdmitted"] = "GenerationAdmitted"
+    idempotency_key: str
+    fingerprint: str
+    model_alias: str
+    model_version: str
+    pool: str
+    tier: Tier
+    stream: bool
+    max_output_tokens: int
+    input_tokens: int
+    epoch: int
+    reservation_id: str
+    window_start_ms: int
+    window_end_ms: int
+    window_limit: int
+    slot_index: int
+    queue_deadline_ms: int
+    reconcile_deadline_ms: int
+    reply_to: ReplyTo | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionRejected(_EventBase):
+    """A request was refused holding nothing; the key is retained with ``status`` (retryable or not)."""
+
+    type: Literal["AdmissionRejected"] = "AdmissionRejected"
+    idempotency_key: str
+    fingerprint: str
+    model_alias: str
+    model_version: str
+    tier: Tier
+    code: RejectionCode
+    status: RequestStatus
+    window_start_ms: int
+    window_limit: int
+    reset_at_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptAccepted(_EventBase):
+    """The processor committed ``worker_id``'s acceptance of ``epoch``: inference may start."""
+
+    type: Literal["AttemptAccepted"] = "AttemptAccepted"
+    epoch: int
+    worker_id: str
+    lease_deadline_ms: int
+    run_deadline_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReservationConsumed(_EventBase):
+    """RESERVED -> CONSUMED: the message is spent (acceptance evidence: ``command_id``)."""
+
+    type: Literal["ReservationConsumed"] = "ReservationConsumed"
+    reservation_id: str
+    window_start_ms: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReservationReleased(_EventBase):
+    """RESERVED -> RELEASED: proven never accepted, the message is given back."""
+
+    type: Literal["ReservationReleased"] = "ReservationReleased"
+    reservation_id: str
+    window_start_ms: int
+    epoch: int
+    reason: FenceReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptDeclined(_EventBase):
+    type: Literal["AttemptDeclined"] = "AttemptDeclined"
+    epoch: int
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptFenced(_EventBase):
+    """``epoch`` and every lower epoch can no longer accept, publish or report."""
+
+    type: Literal["AttemptFenced"] = "AttemptFenced"
+    epoch: int
+    reason: FenceReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseRenewed(_EventBase):
+    type: Literal["LeaseRenewed"] = "LeaseRenewed"
+    epoch: int
+    lease_deadline_ms: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CancelRequested(_EventBase):
+    """Cancel intent on a running attempt; routed to ``owner_worker_id``. Not yet cancelled."""
+
+    type: Literal["CancelRequested"] = "CancelRequested"
+    epoch: int
+    owner_worker_id: str
+    reason: CancelReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConcurrencySlotReleased(_EventBase):
+    type: Literal["ConcurrencySlotReleased"] = "ConcurrencySlotReleased"
+    slot_index: int
+    epoch: int
+    reason: SlotReleaseReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationReturnedToAdmission(_EventBase):
+    """A dispatched attempt was proven never started; the request is retryable with its key."""
+
+    type: Literal["GenerationReturnedToAdmission"] = "GenerationReturnedToAdmission"
+    epoch: int
+    code: RejectionCode
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationCompleted(_EventBase):
+    type: Literal["GenerationCompleted"] = "GenerationCompleted"
+    epoch: int
+    finish_reason: str
+    result_expires_at_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationCancelled(_EventBase):
+    type: Literal["GenerationCancelled"] = "GenerationCancelled"
+    epoch: int  # 0 when no attempt was ever dispatched
+    reason: CancelReason
+    partial: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationFailed(_EventBase):
+    type: Literal["GenerationFailed"] = "GenerationFailed"
+    epoch: int
+    code: RejectionCode
+    partial: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UsageRecorded(_EventBase):
+    """Actual token usage of one (generation, epoch); at most once each (invariant 8)."""
+
+    type: Literal["UsageRecorded"] = "UsageRecorded"
+    epoch: int
+    input_tokens: int
+    output_tokens: int
+    terminal_reason: str
+    outcome: FinishOutcome | None
+    model_version: str
+    tier: Tier
+    window_start_ms: int
+    metering_revision: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LateReportIgnored(_EventBase):
+    """A command from a stale, fenced or foreign attempt, or for a terminal generation, was dropped."""
+
+    type: Literal["LateReportIgnored"] = "LateReportIgnored"
+    epoch: int
+    command_type: str
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DedupRecordPurged(_EventBase):
+    """The request record for ``idempotency_key`` passed its retention and was forgotten."""
+
+    type: Literal["DedupRecordPurged"] = "DedupRecordPurged"
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuotaWindowRetired(_EventBase):
+    """A past window with no RESERVED reservation left is dropped with its settled reservations."""
+
+    type: Literal["QuotaWindowRetired"] = "QuotaWindowRetired"
+    window_start_ms: int
+    used: int
+    released: int
+
+
+Event = (
+    GenerationAdmitted
+    | AdmissionRejected
+    | AttemptAccepted
+    | ReservationConsumed
+    | ReservationReleased
+    | AttemptDeclined
+    | AttemptFenced
+    | LeaseRenewed
+    | CancelRequested
+    | ConcurrencySlotReleased
+    | GenerationReturnedToAdmission
+    | GenerationCompleted
+    | GenerationCancelled
+    | GenerationFailed
+    | UsageRecorded
+    | LateReportIgnored
+    | DedupRecordPurged
+    | QuotaWindowRetired
+)
+EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
+TERMINAL_EVENT_TYPES = (GenerationCompleted, GenerationCancelled, GenerationFailed)

@@ -1,0 +1,135 @@
+"""Messages that are not ledger facts: decisions back to issuers, dispatch, worker control, stream events.
+
+- ``Outcome``: the processor's answer to one command, sent to the command's ``reply_to``.
+- ``DispatchAuthorized``: to ``dispatch.<pool>.<tier>``; a worker may try to accept it.
+- ``StopAttempt``: to the owning worker's control partition (cancel intent or fence).
+- ``TextDelta``: worker -> edge inbox, incremental text of one (generation, epoch); the only message
+  kind that carries generated text, so it lives only on the short-retention edge inbox.
+- ``GenerationFinalized``: processor -> edge inbox, sent after the terminal transition committed.
+- ``WorkerHeartbeat``: worker -> ``capacity``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+from schemas.codes import CancelReason, FenceReason, RejectionCode, RequestStatus, Tier
+from schemas.commands import ReplyTo
+
+MESSAGE_SCHEMA_VERSION = 1
+
+
+class OutcomeKind(StrEnum):
+    ADMITTED = "admitted"  # a new reservation was taken and the attempt dispatched
+    EXISTING = "existing"  # the command identified existing state and changed nothing
+    APPLIED = "applied"  # the command changed state (accept, cancel, report, reconcile)
+    CANCEL_REQUESTED = "cancel_requested"  # a running attempt was asked to stop; not yet stopped
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RejectionDetails:
+    limit: int | None = None
+    remaining: int | None = None
+    reset_at_ms: int | None = None
+    retry_after_ms: int | None = None
+    field: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
+    type: Literal["Outcome"] = "Outcome"
+    schema_version: int = MESSAGE_SCHEMA_VERSION
+    command_id: str
+    request_id: str | None = None
+    kind: OutcomeKind
+    code: RejectionCode | None = None
+    generation_id: str | None = None
+    status: RequestStatus | None = None
+    epoch: int = 0
+    model_version: str | None = None
+    details: RejectionDetails = field(default_factory=RejectionDetails)
+    # Set when a completed generation's result is still retained (the edge then reads the store).
+    result_expires_at_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DispatchAuthorized:
+    type: Literal["DispatchAuthorized"] = "DispatchAuthorized"
+    schema_version: int = MESSAGE_SCHEMA_VERSION
+    event_id: str
+    user_id: str
+    generation_id: str
+    epoch: int
+    model_version: str
+    tier: Tier
+    max_output_tokens: int
+    input_tokens: int
+    authorized_at_ms: int
+    queue_deadline_ms: int
+    stream_to: ReplyTo | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopAttempt:
+    type: Literal["StopAttempt"] = "StopAttempt"
+    schema_version: int = MESSAGE_SCHEMA_VERSION
+    event_id: str
+    user_id: str
+    generation_id: str
+    epoch: int
+    worker_id: str
+    cancel_reason: CancelReason | None = None
+    fence_reason: FenceReason | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TextDelta:
+    type: Literal["TextDelta"] = "TextDelta"
+    schema_version: int = MESSAGE_SCHEMA_VERSION
+    generation_id: str
+    epoch: int
+    sequence: int
+    index: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationFinalized:
+    type: Literal["GenerationFinalized"] = "GenerationFinalized"
+    schema_version: int = MESSAGE_SCHEMA_VERSION
+    event_id: str
+    user_id: str
+    generation_id: str
+    epoch: int
+    status: RequestStatus
+    code: RejectionCode | None
+    partial: bool
+    input_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerHeartbeat:
+    type: Literal["WorkerHeartbeat"] = "WorkerHeartbeat"
+    schema_version: int = MESSAGE_SCHEMA_VERSION
+    worker_id: str
+    pool: str
+    sent_at_ms: int
+    free_slots: int
+    active_sequences: int
+    queued: int
+    kv_pressure: float
+    tokens_per_s: float
+
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    Outcome,
+    DispatchAuthorized,
+    StopAttempt,
+    TextDelta,
+    GenerationFinalized,
+    WorkerHeartbeat,
+)
