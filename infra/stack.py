@@ -472,14 +472,26 @@ def cassandra_dirs(cfg: Config) -> dict[str, Path]:
     }
 
 
+def cql_cluster(hosts: tuple[str, ...], port: int, **kw):
+    from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
+    from cassandra.policies import RoundRobinPolicy
+
+    return Cluster(
+        contact_points=list(hosts),
+        port=port,
+        execution_profiles={EXEC_PROFILE_DEFAULT: ExecutionProfile(load_balancing_policy=RoundRobinPolicy())},
+        **kw,
+    )
+
+
 def cassandra_probe(hosts: tuple[str, ...], port: int) -> bool:
     try:
         from cassandra.cluster import Cluster
     except ImportError as exc:  # pragma: no cover
         raise InfraError("cassandra-driver not importable: create the venv first (make venv)") from exc
-    cluster = Cluster(
-        contact_points=list(hosts),
-        port=port,
+    cluster = cql_cluster(
+        hosts,
+        port,
         connect_timeout=PROBE_REQUEST_TIMEOUT_S,
         control_connection_timeout=PROBE_REQUEST_TIMEOUT_S,
     )
@@ -705,9 +717,7 @@ def create_topics(cfg: Config) -> None:
 
     asyncio.run(go())
 
-    from cassandra.cluster import Cluster
-
-    cluster = Cluster(contact_points=list(cfg.cassandra_hosts), port=cfg.cassandra_port)
+    cluster = cql_cluster(cfg.cassandra_hosts, cfg.cassandra_port)
     try:
         session = cluster.connect()
         session.execute(

@@ -49,12 +49,18 @@ async def execute(
             pass
 
     def on_page(page: Any) -> None:
-        # Called on the driver's thread, once per page.
-        rows.extend(page)
-        if response.has_more_pages:
-            response.start_fetching_next_page()
-        else:
-            hand_over(list(rows), None)
+        # Called on the driver's thread, once per page. Statements without rows (DDL, writes)
+        # call back with None. An exception escaping here would be swallowed by the driver and
+        # leave the future pending, so every failure is handed over too.
+        try:
+            if page is not None:
+                rows.extend(page)
+            if response.has_more_pages:
+                response.start_fetching_next_page()
+            else:
+                hand_over(list(rows), None)
+        except BaseException as exc:  # noqa: BLE001
+            hand_over(None, exc)
 
     def on_error(exc: BaseException) -> None:
         hand_over(None, exc)
