@@ -9,7 +9,9 @@ No event carries prompt or output text.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 from schemas.codes import (
     CancelReason,
@@ -252,3 +254,19 @@ Event = (
 )
 EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
 TERMINAL_EVENT_TYPES = (GenerationCompleted, GenerationCancelled, GenerationFailed)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LedgerEntry:
+    """One record on the ``ledger`` topic: every event one command caused, committed together.
+
+    A reader never sees half of a command's effect. A redelivered command re-sends the same entry
+    (same ``command_id`` and event ids), so readers de-duplicate by event id.
+    """
+
+    type: Literal["LedgerEntry"] = "LedgerEntry"
+    schema_version: int = EVENT_SCHEMA_VERSION
+    command_id: str
+    command_type: str
+    user_id: str
+    events: tuple[Annotated[Event, Field(discriminator="type")], ...]

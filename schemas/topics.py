@@ -15,6 +15,7 @@ Data flow (DESIGN section 2)::
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 # Partition counts. COMMANDS and LEDGER (and the processor's changelog) must have the same count:
@@ -66,12 +67,89 @@ USER_TO_LEDGER_TABLE = "user_to_ledger"
 
 
 def all_topics() -> tuple[TopicSpec, ...]:
-    """Every topic the stack needs, created explicitly (never by broker auto-creation)."""
-    dispatch = tuple(dispatch_topic(p, t) for p in POOLS for t in TIERS)
-    return (COMMANDS, LEDGER, USAGE, WORKER_CONTROL, EDGE_INBOX, CAPACITY, DEAD_LETTER, *dispatch)
+    """Every topic of the default deployment, created explicitly (never by broker auto-creation)."""
+    return Topology().all()
+
+
+def worker_control_partition(worker_id: str) -> int:
+    """The control partition a worker reads; stable for a worker id (several workers may share one)."""
+    digest = hashlib.blake2b(worker_id.encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") % WORKER_CONTROL.partitions
 
 
 # Cassandra.
 KEYSPACE = "chatplane"
 GENERATIONS_TABLE = "generations_by_id"
 RESULTS_TABLE = "results_by_generation"
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Every topic name of one deployment.
+
+    The default deployment uses the constants above. A ``namespace`` prefixes every name (and the
+    processor's app id, hence its changelog and consumer group), so isolated deployments, such as each
+    integration test, share one cluster without sharing data.
+    """
+
+    namespace: str = ""
+
+    def _spec(self, spec: TopicSpec) -> TopicSpec:
+        if not self.namespace:
+            return spec
+        return TopicSpec(f"{self.namespace}.{spec.name}", spec.partitions, spec.retention_ms, spec.cleanup_policy)
+
+    @property
+    def commands(self) -> TopicSpec:
+        return self._spec(COMMANDS)
+
+    @property
+    def ledger(self) -> TopicSpec:
+        return self._spec(LEDGER)
+
+    @property
+    def usage(self) -> TopicSpec:
+        return self._spec(USAGE)
+
+    @property
+    def worker_control(self) -> TopicSpec:
+        return self._spec(WORKER_CONTROL)
+
+    @property
+    def edge_inbox(self) -> TopicSpec:
+        return self._spec(EDGE_INBOX)
+
+    @property
+    def capacity(self) -> TopicSpec:
+        return self._spec(CAPACITY)
+
+    @property
+    def dead_letter(self) -> TopicSpec:
+        return self._spec(DEAD_LETTER)
+
+    def dispatch(self, pool: str, tier: str) -> TopicSpec:
+        return self._spec(dispatch_topic(pool, tier))
+
+    @property
+    def processor_app_id(self) -> str:
+        return f"{self.namespace}.{PROCESSOR_APP_ID}" if self.namespace else PROCESSOR_APP_ID
+
+    @property
+    def changelog(self) -> TopicSpec:
+        return TopicSpec(
+            f"{self.processor_app_id}-{USER_TO_LEDGER_TABLE}-changelog", USER_PARTITIONS, -1, cleanup_policy="compact"
+        )
+
+    def all(self) -> tuple[TopicSpec, ...]:
+        dispatch = tuple(self.dispatch(p, t) for p in POOLS for t in TIERS)
+        return (
+            self.commands,
+            self.ledger,
+            self.usage,
+            self.worker_control,
+            self.edge_inbox,
+            self.capacity,
+            self.dead_letter,
+            self.changelog,
+            *dispatch,
+        )

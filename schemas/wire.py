@@ -17,7 +17,7 @@ import orjson
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from schemas.commands import COMMAND_TYPES, Command
-from schemas.events import EVENT_TYPES, Event
+from schemas.events import EVENT_TYPES, Event, LedgerEntry
 from schemas.messages import MESSAGE_TYPES
 
 T = TypeVar("T")
@@ -26,7 +26,7 @@ T = TypeVar("T")
 WIRE_MESSAGE_BYTES_MAX = 64 * 1024
 
 _STRICT = ConfigDict(extra="forbid")
-for _cls in (*COMMAND_TYPES, *EVENT_TYPES, *MESSAGE_TYPES):
+for _cls in (*COMMAND_TYPES, *EVENT_TYPES, *MESSAGE_TYPES, LedgerEntry):
     _cls.__pydantic_config__ = _STRICT  # type: ignore[attr-defined]
 
 
@@ -58,7 +58,11 @@ def _union(types: tuple[type, ...]) -> TypeAdapter[Any]:
 _COMMANDS: TypeAdapter[Command] = _union(COMMAND_TYPES)
 _EVENTS: TypeAdapter[Event] = _union(EVENT_TYPES)
 _MESSAGES: TypeAdapter[Any] = _union(MESSAGE_TYPES)
-_VERSIONS = {cls.__name__: cls.__dataclass_fields__["schema_version"].default for cls in (*COMMAND_TYPES, *EVENT_TYPES, *MESSAGE_TYPES)}
+_LEDGER_ENTRY: TypeAdapter[LedgerEntry] = TypeAdapter(LedgerEntry)
+_VERSIONS = {
+    cls.__name__: cls.__dataclass_fields__["schema_version"].default
+    for cls in (*COMMAND_TYPES, *EVENT_TYPES, *MESSAGE_TYPES, LedgerEntry)
+}
 
 
 def encode(obj: Any) -> bytes:
@@ -85,7 +89,7 @@ def _upcast(doc: Any) -> Any:
     return doc
 
 
-def _decode(adapter: TypeAdapter[T], data: bytes | str) -> T:
+def _decode(adapter: TypeAdapter[T], data: bytes | str, nested: str | None = None) -> T:
     if len(data) > WIRE_MESSAGE_BYTES_MAX:
         raise WireError(f"message of {len(data)} bytes exceeds {WIRE_MESSAGE_BYTES_MAX}")
     try:
@@ -93,6 +97,11 @@ def _decode(adapter: TypeAdapter[T], data: bytes | str) -> T:
     except orjson.JSONDecodeError as exc:
         raise WireError(f"invalid JSON at position {exc.pos}") from None
     doc = _upcast(doc)
+    if nested is not None:
+        items = doc.get(nested)
+        if not isinstance(items, list):
+            raise WireError(f"field {nested} is not a list")
+        doc[nested] = [_upcast(item) for item in items]
     try:
         return adapter.validate_python(doc)
     except ValidationError as exc:
@@ -109,6 +118,10 @@ def decode_event(data: bytes | str) -> Event:
     return _decode(_EVENTS, data)
 
 
+def decode_ledger_entry(data: bytes | str) -> LedgerEntry:
+    return _decode(_LEDGER_ENTRY, data, nested="events")
+
+
 def decode_message(data: bytes | str) -> Any:
     return _decode(_MESSAGES, data)
 
@@ -120,4 +133,5 @@ def json_schemas() -> dict[str, Any]:
         "commands": _COMMANDS.json_schema(),
         "ledger_events": _EVENTS.json_schema(),
         "messages": _MESSAGES.json_schema(),
+        "ledger_entry": _LEDGER_ENTRY.json_schema(),
     }

@@ -1,0 +1,145 @@
+"""``CommandClient``: append commands and await their decisions on one edge-inbox partition.
+
+Used by the edge (and by tests and benchmarks in its place). The client owns one inbox partition
+(manually assigned, read from its end); every command it sends names that partition in ``reply_to``,
+and the processor's ``Outcome`` comes back there. Anything else arriving on the partition (stream
+deltas, finalizations) is handed to ``on_message``. Waiting is bounded: a decision that does not
+arrive in time raises ``DecisionTimeout`` and the caller fails closed (``quota_service_unavailable``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from schemas.commands import Command, ReplyTo
+from schemas.messages import Outcome
+from schemas.topics import Topology
+from schemas.wire import WireError, decode_message, encode
+
+log = logging.getLogger("chatplane.client")
+
+DECISION_TIMEOUT_S = 2.0  # how long a caller waits for a decision before failing closed
+PENDING_DECISIONS_MAX = 10_000  # bound on decisions awaited at once by one client
+INBOX_FETCH_MAX_WAIT_MS = 5
+
+
+class DecisionTimeout(TimeoutError):
+    """No decision arrived in time; the command may still be decided (a same-key retry finds it)."""
+
+
+class TooManyPending(RuntimeError):
+    """The client already waits for ``PENDING_DECISIONS_MAX`` decisions."""
+
+
+class CommandClient:
+    def __init__(
+        self,
+        bootstrap: str,
+        topology: Topology,
+        inbox_partition: int,
+        on_message: Callable[[Any], None] | None = None,
+        decision_timeout_s: float = DECISION_TIMEOUT_S,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.topology = topology
+        self.inbox = ReplyTo(topic=topology.edge_inbox.name, partition=inbox_partition, request_id="-")
+        self.on_message = on_message
+        self.decision_timeout_s = decision_timeout_s
+        self._pending: dict[str, asyncio.Future[Outcome]] = {}
+        self._producer: AIOKafkaProducer | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self.undecodable = 0
+
+    async def start(self) -> None:
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, linger_ms=0
+        )
+        await self._producer.start()
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=INBOX_FETCH_MAX_WAIT_MS,
+            auto_offset_reset="latest",
+        )
+        await self._consumer.start()
+        tp = TopicPartition(self.inbox.topic, self.inbox.partition)
+        self._consumer.assign([tp])
+        await self._consumer.seek_to_end(tp)
+        # Resolve the end offset now so no reply sent after start() is skipped.
+        await self._consumer.position(tp)
+        self._reader = asyncio.create_task(self._read(), name="inbox-reader")
+
+    async def stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.cancel()
+        if self._consumer is not None:
+            await self._consumer.stop()
+        if self._producer is not None:
+            await self._producer.stop()
+
+    async def __aenter__(self) -> CommandClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def reply_to(self, request_id: str | None = None) -> ReplyTo:
+        return replace(self.inbox, request_id=request_id or uuid.uuid4().hex)
+
+    async def send(self, command: Command) -> None:
+        """Append a command without waiting for its decision."""
+        assert self._producer is not None
+        await self._producer.send_and_wait(self.topology.commands.name, encode(command), key=command.user_id.encode())
+
+    async def decide(self, command: Command, timeout_s: float | None = None) -> Outcome:
+        """Append ``command`` (whose ``reply_to`` must be ``self.reply_to(...)``) and await its outcome."""
+        assert command.reply_to is not None and command.reply_to.partition == self.inbox.partition
+        if len(self._pending) >= PENDING_DECISIONS_MAX:
+            raise TooManyPending(f"{PENDING_DECISIONS_MAX} decisions already pending")
+        fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._pending[command.command_id] = fut
+        try:
+            await self.send(command)
+            return await asyncio.wait_for(fut, timeout_s or self.decision_timeout_s)
+        except TimeoutError:
+            raise DecisionTimeout(f"no decision for {command.type} within {timeout_s or self.decision_timeout_s}s") from None
+        finally:
+            self._pending.pop(command.command_id, None)
+
+    async def _read(self) -> None:
+        assert self._consumer is not None
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=100)
+            for records in batches.values():
+                for record in records:
+                    self._dispatch(record.value)
+
+    def _dispatch(self, value: bytes | None) -> None:
+        try:
+            message = decode_message(value or b"")
+        except WireError as exc:
+            self.undecodable += 1
+            log.warning("undecodable inbox message: %s", exc.reason)
+            return
+        if isinstance(message, Outcome):
+            fut = self._pending.get(message.command_id)
+            if fut is not None and not fut.done():
+                fut.set_result(message)
+            return
+        if self.on_message is not None:
+            self.on_message(message)

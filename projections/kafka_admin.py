@@ -1,0 +1,87 @@
+"""Topic creation and the co-partitioning check, shared by ``infra/``, the processor and the tests.
+
+Partition counts are schema (``schemas.topics``): topics are created explicitly with them, never by
+broker auto-creation, and a running component refuses to start if the cluster disagrees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from schemas.topics import TopicSpec, Topology
+
+ADMIN_REQUEST_TIMEOUT_MS = 30_000
+TOPIC_ALREADY_EXISTS = 36
+
+
+class TopologyError(RuntimeError):
+    """The cluster's topics do not match the schema (missing, or a different partition count)."""
+
+
+async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec], replication_factor: int = 1) -> list[str]:
+    """Create the missing topics with their schema partitions and retention; return the created names."""
+    specs = list(specs)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ADMIN_REQUEST_TIMEOUT_MS)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [s for s in specs if s.name not in existing]
+        if missing:
+            response = await admin.create_topics(
+                [
+                    NewTopic(
+                        s.name,
+                        s.partitions,
+                        replication_factor,
+                        topic_configs={"retention.ms": str(s.retention_ms), "cleanup.policy": s.cleanup_policy},
+                    )
+                    for s in missing
+                ],
+                timeout_ms=ADMIN_REQUEST_TIMEOUT_MS,
+            )
+            for error in response.topic_errors:
+                if error[1] not in (0, TOPIC_ALREADY_EXISTS):
+                    raise TopologyError(f"creating topic {error[0]} failed with error code {error[1]}")
+        return [s.name for s in missing]
+    finally:
+        await admin.close()
+
+
+async def delete_topics(bootstrap: str, names: Iterable[str]) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ADMIN_REQUEST_TIMEOUT_MS)
+    await admin.start()
+    try:
+        present = set(await admin.list_topics())
+        doomed = [n for n in names if n in present]
+        if doomed:
+            await admin.delete_topics(doomed, timeout_ms=ADMIN_REQUEST_TIMEOUT_MS)
+    finally:
+        await admin.close()
+
+
+async def assert_topology(bootstrap: str, specs: Iterable[TopicSpec]) -> None:
+    """Fail fast unless every topic exists with exactly its schema partition count."""
+    specs = list(specs)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ADMIN_REQUEST_TIMEOUT_MS)
+    await admin.start()
+    try:
+        described = {t["topic"]: t for t in await admin.describe_topics([s.name for s in specs])}
+    finally:
+        await admin.close()
+    for spec in specs:
+        topic = described.get(spec.name)
+        if topic is None or topic.get("error_code", 0) != 0:
+            raise TopologyError(f"topic {spec.name} is missing; create it with infra/create-topics")
+        have = len(topic["partitions"])
+        if have != spec.partitions:
+            raise TopologyError(f"topic {spec.name} has {have} partitions, the schema says {spec.partitions}")
+
+
+async def assert_copartitioned(bootstrap: str, topology: Topology) -> None:
+    """COMMANDS, the processor's changelog and LEDGER must have the same partition count."""
+    specs = [topology.commands, topology.changelog, topology.ledger, topology.usage]
+    if len({s.partitions for s in specs}) != 1:
+        raise TopologyError("schema error: commands, changelog, ledger and usage partition counts differ")
+    await assert_topology(bootstrap, specs)

@@ -1,0 +1,253 @@
+"""The admission processor: the ledger core run on Kafka with faust-streaming.
+
+    COMMANDS (key user_id) --> agent ``admission`` (concurrency=1, one per partition)
+        table ``user_to_ledger``[user_id] = aggregate      (one changelog write per command)
+        control_plane.aggregate.handle -> Decision          (pure; redeliveries answered from memory)
+        control_plane.routing.route    -> LEDGER, reply_to, DISPATCH, WORKER_CONTROL, USAGE
+    timer ``reconcile`` --> ReconcileDue commands for users whose deadlines passed (via COMMANDS)
+    undecodable commands --> DEAD_LETTER with reason and offset; the partition keeps moving
+
+Delivery is at-least-once (faust flushes the producer before it commits offsets), not faust's
+exactly-once mode (faust-streaming #517, #323, #177): decisions are deterministic and derived ids
+make every output idempotent for its readers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import faust
+from aiokafka.partitioner import murmur2
+
+from control_plane.aggregate import Aggregate, handle
+from control_plane.codec import dump_aggregate, load_aggregate
+from control_plane.decide import next_deadline_ms
+from control_plane.routing import route
+from projections.kafka_admin import assert_copartitioned
+from projections.settings import ProcessorSettings
+from schemas.commands import ReconcileDue
+from schemas.topics import USER_TO_LEDGER_TABLE
+from schemas.wire import WireError, decode_command, encode
+
+log = logging.getLogger("chatplane.processor")
+
+# A table value is an 8-byte big-endian next deadline (0: none) followed by the aggregate, so the
+# timer can rebuild its deadline index after a rebalance without decoding every aggregate.
+_DEADLINE = struct.Struct(">q")
+DEAD_LETTER_VALUE_BYTES_MAX = 4_096  # how much of an undecodable message the dead letter keeps
+REPLY_TIMEOUT_S = 30.0  # bound on waiting for the producer when the processor flushes on stop
+
+
+def pack_value(aggregate: Aggregate, deadline_ms: int | None) -> bytes:
+    return _DEADLINE.pack(deadline_ms or 0) + dump_aggregate(aggregate)
+
+
+def unpack_deadline(value: bytes) -> int | None:
+    (deadline,) = _DEADLINE.unpack_from(value)
+    return deadline or None
+
+
+def unpack_value(value: bytes) -> Aggregate:
+    return load_aggregate(value[_DEADLINE.size :])
+
+
+def user_partition(user_id: bytes, partitions: int) -> int:
+    """The partition the default (murmur2) partitioner gives a user's key, as every producer uses."""
+    return (murmur2(user_id) & 0x7FFFFFFF) % partitions
+
+
+@dataclass
+class ProcessorStats:
+    commands: int = 0
+    redelivered: int = 0
+    dead_lettered: int = 0
+    reconciles_appended: int = 0
+
+
+class AdmissionProcessor:
+    """Owns the faust app, its table and the deadline index of the partitions assigned here."""
+
+    def __init__(self, settings: ProcessorSettings) -> None:
+        self.settings = settings
+        self.topology = settings.topology
+        self.policy = settings.policy
+        self.stats = ProcessorStats()
+        self.partitions = self.topology.commands.partitions
+        self.app = faust.App(
+            self.topology.processor_app_id,
+            broker=f"kafka://{settings.kafka_bootstrap}",
+            store="memory://",
+            datadir=settings.data_dir,
+            topic_partitions=self.partitions,
+            topic_allow_declare=False,
+            table_standby_replicas=0,
+            broker_commit_interval=settings.commit_interval_s,
+            producer_acks=-1,
+            producer_linger_ms=1,
+            consumer_auto_offset_reset="earliest",
+            processing_guarantee="at_least_once",
+            web_enabled=False,
+        )
+        self.commands = self.app.topic(
+            self.topology.commands.name,
+            key_type=bytes,
+            value_type=bytes,
+            partitions=self.partitions,
+            internal=False,
+        )
+        self.table = self.app.Table(
+            USER_TO_LEDGER_TABLE, partitions=self.partitions, key_type=bytes, value_type=bytes, default=None
+        )
+        # user key -> (decoded aggregate, the exact table value it was decoded from). An identity
+        # check against the table value detects a recovery or another instance's write.
+        self._decoded: dict[bytes, tuple[bytes, Aggregate]] = {}
+        # user key -> the time its next ReconcileDue is due (only users of partitions assigned here).
+        self._deadlines: dict[bytes, int] = {}
+        self._scan_needed = True
+        self.app.agent(self.commands, name="admission", concurrency=1)(self._admission)
+        self.app.timer(interval=settings.reconcile_tick_s, name="reconcile")(self._reconcile_tick)
+        self.app.on_partitions_assigned.connect(self._on_assigned)
+        self.app.on_partitions_revoked.connect(self._on_revoked)
+        self.app.on_startup_finished = self._on_startup_finished  # type: ignore[method-assign]
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def _on_startup_finished(self) -> None:
+        log.info("processor %s ready", self.settings.instance_id)
+
+    async def _on_assigned(self, sender: Any, assigned: set[Any], **_: Any) -> None:
+        self._scan_needed = True
+
+    async def _on_revoked(self, sender: Any, revoked: set[Any], **_: Any) -> None:
+        lost = {tp.partition for tp in revoked if tp.topic == self.topology.commands.name}
+        if lost:
+            self._deadlines = {k: t for k, t in self._deadlines.items() if user_partition(k, self.partitions) not in lost}
+            self._decoded = {k: v for k, v in self._decoded.items() if user_partition(k, self.partitions) not in lost}
+
+    # --- the agent --------------------------------------------------------------------------
+
+    async def _admission(self, stream: Any) -> None:
+        async for event in stream.events():
+            await self.process(event.message.partition, event.message.offset, event.key, event.value)
+
+    def _aggregate(self, key: bytes, user_id: str) -> Aggregate:
+        value = self.table.get(key)
+        if value is None:
+            return Aggregate.empty(user_id)
+        cached = self._decoded.get(key)
+        if cached is not None and cached[0] is value:
+            return cached[1]
+        aggregate = unpack_value(value)
+        self._decoded[key] = (value, aggregate)
+        return aggregate
+
+    async def process(self, partition: int, offset: int, key: bytes | None, value: bytes | None) -> None:
+        if value is None:
+            await self._dead_letter(partition, offset, key, b"", "empty message")
+            return
+        try:
+            command = decode_command(value)
+        except WireError as exc:
+            await self._dead_letter(partition, offset, key, value, exc.reason)
+            return
+        user_key = command.user_id.encode()
+        if key != user_key:
+            # The single-writer guarantee needs every command of a user on the user's partition.
+            await self._dead_letter(partition, offset, key, value, "message key is not the command's user_id")
+            return
+        before = self._aggregate(user_key, command.user_id)
+        after, decision, redelivered = handle(before, command, self.policy)
+        self.stats.commands += 1
+        if redelivered:
+            self.stats.redelivered += 1
+        else:
+            deadline = next_deadline_ms(after.ledger, self.policy)
+            packed = pack_value(after, deadline)
+            self.table[user_key] = packed
+            self._decoded[user_key] = (packed, after)
+            if deadline is None:
+                self._deadlines.pop(user_key, None)
+            else:
+                self._deadlines[user_key] = deadline
+        producer = self.app.producer
+        for out in route(self.topology, before.ledger, after.ledger, command, decision, partition):
+            await producer.send(out.topic, out.key, out.value, out.partition, None, None)
+
+    async def _dead_letter(self, partition: int, offset: int, key: bytes | None, value: bytes, reason: str) -> None:
+        self.stats.dead_lettered += 1
+        log.warning("dead-lettered %s[%d]@%d: %s", self.topology.commands.name, partition, offset, reason)
+        record = {
+            "type": "DeadLetter",
+            "schema_version": 1,
+            "source_topic": self.topology.commands.name,
+            "partition": partition,
+            "offset": offset,
+            "reason": reason,
+            "key_b64": base64.b64encode(key or b"").decode(),
+            "value_b64": base64.b64encode(value[:DEAD_LETTER_VALUE_BYTES_MAX]).decode(),
+            "value_bytes": len(value),
+        }
+        await self.app.producer.send(self.topology.dead_letter.name, key, encode(record), None, None, None)
+
+    # --- the deadline timer -----------------------------------------------------------------
+
+    def _assigned_partitions(self) -> set[int]:
+        try:
+            assignment = self.app.consumer.assignment()
+        except Exception:  # noqa: BLE001 - not started or mid-rebalance: nothing is ours yet
+            return set()
+        return {tp.partition for tp in assignment if tp.topic == self.topology.commands.name}
+
+    def _rescan(self) -> None:
+        assigned = self._assigned_partitions()
+        if not assigned:
+            return
+        deadlines: dict[bytes, int] = {}
+        for key, value in self.table.items():
+            if value is not None and user_partition(key, self.partitions) in assigned:
+                deadline = unpack_deadline(value)
+                if deadline is not None:
+                    deadlines[key] = deadline
+        self._deadlines = deadlines
+        self._scan_needed = False
+
+    async def _reconcile_tick(self) -> None:
+        """Append ReconcileDue for every user here whose next deadline passed; decide does the rest."""
+        if self._scan_needed:
+            self._rescan()
+        now_ms = int(time.time() * 1000)
+        due = [key for key, deadline in self._deadlines.items() if deadline <= now_ms]
+        for key in due:
+            user_id = key.decode()
+            command = ReconcileDue(
+                command_id=f"reconcile:{user_id}:{now_ms}:{self.settings.instance_id}",
+                user_id=user_id,
+                issued_at_ms=now_ms,
+                as_of_ms=now_ms,
+            )
+            await self.app.producer.send(self.topology.commands.name, key, encode(command), None, None, None)
+            self._deadlines[key] = now_ms + self.settings.reconcile_resend_ms
+            self.stats.reconciles_appended += 1
+
+    async def check_topology(self) -> None:
+        await assert_copartitioned(self.settings.kafka_bootstrap, self.topology)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("faust").setLevel(logging.WARNING)
+    settings = ProcessorSettings()
+    processor = AdmissionProcessor(settings)
+    asyncio.run(processor.check_topology())
+    worker = faust.Worker(processor.app, loglevel="WARNING", quiet=True)
+    worker.execute_from_commandline()
+
+
+if __name__ == "__main__":
+    main()

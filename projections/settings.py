@@ -1,0 +1,56 @@
+"""Settings of the processes in ``projections/``, read from the environment once at start-up."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from control_plane.policy import Policy
+from schemas.codes import Tier
+from schemas.topics import Topology
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return default if raw in (None, "") else int(raw)
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return default if raw in (None, "") else float(raw)
+
+
+def policy_from_env() -> Policy:
+    """The admission policy; every limit can be set by a ``CHATPLANE_*`` variable."""
+    base = Policy()
+    return Policy(
+        quota_limit_by_tier={
+            Tier.FREE: _int("CHATPLANE_QUOTA_FREE_PER_WINDOW", base.quota_limit_by_tier[Tier.FREE]),
+            Tier.PAID: _int("CHATPLANE_QUOTA_PAID_PER_WINDOW", base.quota_limit_by_tier[Tier.PAID]),
+        },
+        concurrency_limit=_int("CHATPLANE_CONCURRENCY_LIMIT", base.concurrency_limit),
+        queue_wait_max_ms=_int("CHATPLANE_QUEUE_WAIT_MAX_MS", base.queue_wait_max_ms),
+        queue_budget_ms=_int("CHATPLANE_QUEUE_BUDGET_MS", base.queue_budget_ms),
+        reconcile_grace_ms=_int("CHATPLANE_RECONCILE_GRACE_MS", base.reconcile_grace_ms),
+        lease_ms=_int("CHATPLANE_LEASE_MS", base.lease_ms),
+        generation_duration_max_ms=_int("CHATPLANE_GENERATION_DURATION_MAX_MS", base.generation_duration_max_ms),
+        dedup_retention_ms=_int("CHATPLANE_DEDUP_RETENTION_MS", base.dedup_retention_ms),
+        result_ttl_ms=_int("CHATPLANE_RESULT_TTL_MS", base.result_ttl_ms),
+        max_output_tokens_max=_int("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", base.max_output_tokens_max),
+    )
+
+
+@dataclass(frozen=True)
+class ProcessorSettings:
+    kafka_bootstrap: str = field(default_factory=lambda: os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    topology: Topology = field(default_factory=lambda: Topology(os.environ.get("CHATPLANE_NAMESPACE", "")))
+    instance_id: str = field(default_factory=lambda: os.environ.get("CHATPLANE_PROCESSOR_ID", f"{socket.gethostname()}-{os.getpid()}"))
+    # How often consumed offsets are committed; commands after the last commit are redelivered
+    # after a crash (and answered from the aggregates' decision memory).
+    commit_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_PROCESSOR_COMMIT_INTERVAL_S", 1.0))
+    reconcile_tick_s: float = field(default_factory=lambda: _float("CHATPLANE_RECONCILE_TICK_S", 0.5))
+    # After the timer appended a ReconcileDue for a user, it waits this long before appending another.
+    reconcile_resend_ms: int = field(default_factory=lambda: _int("CHATPLANE_RECONCILE_RESEND_MS", 5_000))
+    data_dir: str = field(default_factory=lambda: os.environ.get("CHATPLANE_DATA_DIR", "var/processor"))
+    policy: Policy = field(default_factory=policy_from_env)
