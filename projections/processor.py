@@ -98,6 +98,8 @@ class AdmissionProcessor:
             self.topology.commands.name,
             key_type=bytes,
             value_type=bytes,
+            key_serializer="raw",
+            value_serializer="raw",
             partitions=self.partitions,
             internal=False,
         )
@@ -134,7 +136,8 @@ class AdmissionProcessor:
 
     async def _admission(self, stream: Any) -> None:
         async for event in stream.events():
-            await self.process(event.message.partition, event.message.offset, event.key, event.value)
+            message = event.message
+            await self.process(message.partition, message.offset, message.key, message.value)
 
     def _aggregate(self, key: bytes, user_id: str) -> Aggregate:
         value = self.table.get(key)
@@ -161,8 +164,13 @@ class AdmissionProcessor:
             # The single-writer guarantee needs every command of a user on the user's partition.
             await self._dead_letter(partition, offset, key, value, "message key is not the command's user_id")
             return
-        before = self._aggregate(user_key, command.user_id)
-        after, decision, redelivered = handle(before, command, self.policy)
+        try:
+            before = self._aggregate(user_key, command.user_id)
+            after, decision, redelivered = handle(before, command, self.policy)
+        except Exception as exc:  # noqa: BLE001 - a bug must not stop every user of the partition
+            log.exception("processing %s failed", command.command_id)
+            await self._dead_letter(partition, offset, key, value, f"processing error: {type(exc).__name__}")
+            return
         self.stats.commands += 1
         if redelivered:
             self.stats.redelivered += 1

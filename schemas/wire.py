@@ -135,3 +135,12 @@ def json_schemas() -> dict[str, Any]:
         "messages": _MESSAGES.json_schema(),
         "ledger_entry": _LEDGER_ENTRY.json_schema(),
     }
+
+
+def event_from_dict(doc: dict[str, Any]) -> Event:
+    """Validate an already-parsed event (for containers that embed events, such as stored state)."""
+    return _EVENTS.validate_python(_upcast(doc))
+
+
+def message_from_dict(doc: dict[str, Any]) -> Any:
+    return _MESSAGES.validate_python(_upcast(doc))

@@ -1,0 +1,78 @@
+"""Bytes for the processor's table value: the ``Aggregate`` of one user, as orjson JSON.
+
+Encoding is orjson's native dataclass serialization (one pass in Rust, on every command). Decoding
+rebuilds the typed frozen values; it runs only when a value is first read after a recovery or a
+rebalance, so it favours exactness over speed (embedded events go through ``schemas.wire``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from control_plane.aggregate import Aggregate
+from control_plane.decide import Decision
+from control_plane.state import Attempt, QuotaWindow, RequestRecord, Reservation, UsageEntry, UserLedger
+from schemas.codes import CancelReason, RejectionCode, RequestStatus, ReservationState, Tier
+from schemas.commands import ReplyTo
+from schemas.wire import event_from_dict, message_from_dict
+
+STATE_CODEC_VERSION = 1
+_OPTIONS = orjson.OPT_NON_STR_KEYS
+
+
+def dump_aggregate(aggregate: Aggregate) -> bytes:
+    return orjson.dumps({"v": STATE_CODEC_VERSION, "a": aggregate}, option=_OPTIONS)
+
+
+def load_aggregate(data: bytes) -> Aggregate:
+    doc = orjson.loads(data)
+    if doc.get("v") != STATE_CODEC_VERSION:
+        raise ValueError(f"unsupported state codec version {doc.get('v')!r}")
+    a = doc["a"]
+    recent = tuple(
+        (command_id, Decision(tuple(event_from_dict(e) for e in d["events"]), message_from_dict(d["outcome"])))
+        for command_id, d in a["recent"]
+    )
+    return Aggregate(_ledger(a["ledger"]), recent)
+
+
+def _reply_to(d: dict[str, Any] | None) -> ReplyTo | None:
+    return None if d is None else ReplyTo(**d)
+
+
+def _attempt(d: dict[str, Any] | None) -> Attempt | None:
+    if d is None:
+        return None
+    reason = d["cancel_reason"]
+    return Attempt(**{**d, "cancel_reason": None if reason is None else CancelReason(reason)})
+
+
+def _record(d: dict[str, Any]) -> RequestRecord:
+    code = d["code"]
+    return RequestRecord(
+        **{
+            **d,
+            "tier": Tier(d["tier"]),
+            "status": RequestStatus(d["status"]),
+            "attempt": _attempt(d["attempt"]),
+            "code": None if code is None else RejectionCode(code),
+            "reply_to": _reply_to(d["reply_to"]),
+        }
+    )
+
+
+def _ledger(d: dict[str, Any]) -> UserLedger:
+    return UserLedger(
+        user_id=d["user_id"],
+        requests={k: _record(v) for k, v in d["requests"].items()},
+        by_generation=dict(d["by_generation"]),
+        windows={int(k): QuotaWindow(**v) for k, v in d["windows"].items()},
+        reservations={
+            k: Reservation(**{**v, "state": ReservationState(v["state"])}) for k, v in d["reservations"].items()
+        },
+        slots={int(k): v for k, v in d["slots"].items()},
+        usage={k: UsageEntry(**v) for k, v in d["usage"].items()},
+        last_event_ms=d["last_event_ms"],
+    )

@@ -1,0 +1,222 @@
+"""The audit tool: replay the ledger through ``evolve``, check every invariant, compare with the table.
+
+    python -m projections.audit [--bootstrap HOST:PORT] [--namespace NS] [--from-offset N | --from-time ISO]
+                                [--no-table] [--json]
+
+Reads every partition of LEDGER from the beginning (or an offset or time) to its end offset at
+start, de-duplicates events by id (a reused id with different content is a violation), checks the
+invariants of ``control_plane.invariants`` after each entry, rebuilds each user's state, and compares
+it with the processor's table (the latest value per user in its changelog). Prints a report and exits
+1 on any violation or mismatch. Older schema versions are upgraded by ``schemas.wire`` on decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from control_plane.invariants import InvariantMonitor, Violation, check_state
+from control_plane.state import UserLedger
+from schemas import events as ev
+from schemas.topics import TopicSpec, Topology
+from schemas.wire import WireError, decode_ledger_entry
+
+FETCH_TIMEOUT_MS = 1_000
+READ_IDLE_ROUNDS_MAX = 30  # consecutive empty fetches before giving up on reaching the end offsets
+
+
+@dataclass
+class AuditReport:
+    entries_read: int = 0
+    events_read: int = 0
+    duplicate_events: int = 0
+    undecodable: list[str] = field(default_factory=list)
+    users: int = 0
+    terminal: Counter[str] = field(default_factory=Counter)
+    consumed: int = 0
+    released: int = 0
+    violations: list[Violation] = field(default_factory=list)
+    table_users: int | None = None
+    mismatches: list[str] = field(default_factory=list)
+    states: dict[str, UserLedger] = field(default_factory=dict, repr=False)  # rebuilt from the ledger
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations and not self.mismatches and not self.undecodable
+
+    def render(self) -> str:
+        lines = [
+            f"ledger entries read: {self.entries_read}",
+            f"events read: {self.events_read} (duplicates skipped: {self.duplicate_events})",
+            f"undecodable entries: {len(self.undecodable)}",
+            f"users: {self.users}",
+            "generations by terminal state: "
+            + (", ".join(f"{k}={v}" for k, v in sorted(self.terminal.items())) or "none"),
+            f"messages consumed: {self.consumed}, released: {self.released}",
+        ]
+        if self.table_users is not None:
+            lines.append(f"table users compared: {self.table_users}, mismatches: {len(self.mismatches)}")
+        lines.append(f"violations: {len(self.violations)}")
+        lines.extend(f"  {v}" for v in self.violations)
+        lines.extend(f"  undecodable {u}" for u in self.undecodable)
+        lines.extend(f"  mismatch {m}" for m in self.mismatches)
+        lines.append("AUDIT OK" if self.ok else "AUDIT FAILED")
+        return "\n".join(lines)
+
+
+class Auditor:
+    """Folds ledger entries one at a time; usable on a live topic or on a list of entries."""
+
+    def __init__(self, concurrency_limit: int | None = None) -> None:
+        self.monitor = InvariantMonitor(concurrency_limit=concurrency_limit)
+        self.report = AuditReport()
+
+    def feed(self, entry: ev.LedgerEntry) -> None:
+        self.report.entries_read += 1
+        before = self.monitor.duplicates_skipped
+        self.report.violations.extend(self.monitor.observe_batch(entry.events))
+        self.report.events_read += len(entry.events)
+        self.report.duplicate_events += self.monitor.duplicates_skipped - before
+        if self.monitor.duplicates_skipped - before == len(entry.events):
+            return  # a redelivered entry: already counted
+        for e in entry.events:
+            if isinstance(e, ev.ReservationConsumed):
+                self.report.consumed += 1
+            elif isinstance(e, ev.ReservationReleased):
+                self.report.released += 1
+            elif isinstance(e, ev.TERMINAL_EVENT_TYPES):
+                self.report.terminal[type(e).__name__.removeprefix("Generation").lower()] += 1
+
+    def feed_raw(self, where: str, value: bytes | None) -> None:
+        try:
+            self.feed(decode_ledger_entry(value or b""))
+        except WireError as exc:
+            self.report.undecodable.append(f"{where}: {exc.reason}")
+
+    def finish(self, table: dict[str, UserLedger] | None = None) -> AuditReport:
+        self.report.users = len(self.monitor.states)
+        self.report.states = self.monitor.states
+        if table is not None:
+            self.report.table_users = len(table)
+            for user_id, rebuilt in self.monitor.states.items():
+                held = table.get(user_id)
+                if held is None:
+                    self.report.mismatches.append(f"user {user_id}: in the ledger, not in the table")
+                elif held != rebuilt:
+                    self.report.mismatches.append(f"user {user_id}: table state differs from the replayed ledger")
+            for user_id, held in table.items():
+                if user_id not in self.monitor.states and held.requests:
+                    self.report.mismatches.append(f"user {user_id}: in the table, not in the ledger")
+                self.report.violations.extend(check_state(held, self.monitor.concurrency_limit))
+        return self.report
+
+
+async def read_topic(
+    bootstrap: str, spec: TopicSpec, start: dict[int, int] | None = None, from_time_ms: int | None = None
+) -> list[tuple[int, int, bytes | None, bytes | None]]:
+    """Every record of ``spec`` from ``start`` (or the beginning, or a time) to its end at call time."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(spec.name, p) for p in range(spec.partitions)]
+        consumer.assign(tps)
+        ends = await consumer.end_offsets(tps)
+        if from_time_ms is not None:
+            found = await consumer.offsets_for_times({tp: from_time_ms for tp in tps})
+            for tp in tps:
+                offset = found.get(tp)
+                consumer.seek(tp, offset.offset if offset is not None else ends[tp])
+        else:
+            for tp in tps:
+                consumer.seek(tp, (start or {}).get(tp.partition, 0))
+        records: list[tuple[int, int, bytes | None, bytes | None]] = []
+        remaining = {tp for tp in tps if await consumer.position(tp) < ends[tp]}
+        idle = 0
+        while remaining and idle < READ_IDLE_ROUNDS_MAX:
+            batch = await consumer.getmany(*remaining, timeout_ms=FETCH_TIMEOUT_MS)
+            idle = 0 if batch else idle + 1
+            for tp, items in batch.items():
+                for r in items:
+                    if r.offset < ends[tp]:
+                        records.append((tp.partition, r.offset, r.key, r.value))
+            for tp in list(remaining):
+                if await consumer.position(tp) >= ends[tp]:
+                    remaining.discard(tp)
+        if remaining:
+            raise TimeoutError(f"could not read {spec.name} to its end offsets")
+        return records
+    finally:
+        await consumer.stop()
+
+
+async def read_table(bootstrap: str, topology: Topology) -> dict[str, UserLedger]:
+    """The processor's table: the latest changelog value per user."""
+    from projections.processor import unpack_value
+
+    latest: dict[bytes, bytes | None] = {}
+    for _, _, key, value in sorted(await read_topic(bootstrap, topology.changelog), key=lambda r: (r[0], r[1])):
+        if key is not None:
+            latest[key] = value
+    return {k.decode(): unpack_value(v).ledger for k, v in latest.items() if v is not None}
+
+
+async def audit(
+    bootstrap: str,
+    topology: Topology,
+    start: dict[int, int] | None = None,
+    from_time_ms: int | None = None,
+    compare_table: bool = True,
+    concurrency_limit: int | None = None,
+) -> AuditReport:
+    auditor = Auditor(concurrency_limit)
+    records = await read_topic(bootstrap, topology.ledger, start, from_time_ms)
+    # Per user, order is the partition's order; partitions are independent.
+    for partition, offset, _, value in sorted(records, key=lambda r: (r[0], r[1])):
+        auditor.feed_raw(f"{topology.ledger.name}[{partition}]@{offset}", value)
+    table = await read_table(bootstrap, topology) if compare_table and start is None and from_time_ms is None else None
+    return auditor.finish(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m projections.audit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bootstrap", default=os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    parser.add_argument("--namespace", default=os.environ.get("CHATPLANE_NAMESPACE", ""))
+    parser.add_argument("--from-offset", type=int, help="start every partition at this offset")
+    parser.add_argument("--from-time", help="start at this ISO-8601 time (UTC)")
+    parser.add_argument("--no-table", action="store_true", help="do not compare with the processor's table")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    topology = Topology(args.namespace)
+    start = {p: args.from_offset for p in range(topology.ledger.partitions)} if args.from_offset is not None else None
+    from_time_ms = int(datetime.fromisoformat(args.from_time).timestamp() * 1000) if args.from_time else None
+    report = asyncio.run(audit(args.bootstrap, topology, start, from_time_ms, compare_table=not args.no_table))
+    if args.json:
+        doc: dict[str, Any] = {
+            "entries_read": report.entries_read,
+            "events_read": report.events_read,
+            "users": report.users,
+            "terminal": dict(report.terminal),
+            "consumed": report.consumed,
+            "released": report.released,
+            "violations": [str(v) for v in report.violations],
+            "mismatches": report.mismatches,
+            "undecodable": report.undecodable,
+            "ok": report.ok,
+        }
+        sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        print(report.render())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Run the real admission processor (``python -m projections``) as a subprocess against real Kafka.
+
+A fresh ``Topology`` namespace per test keeps tests from sharing topics, consumer groups or
+changelogs; its topics are created explicitly and deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from projections.client import CommandClient, DecisionTimeout
+from schemas.commands import ReconcileDue
+from schemas.messages import Outcome
+
+ROOT = Path(__file__).resolve().parents[2]
+PROCESSOR_READY_TIMEOUT_S = 90.0
+PROBE_DECISION_TIMEOUT_S = 2.0
+
+
+class ProcessorProcess:
+    def __init__(self, bootstrap: str, namespace: str, log_dir: Path, **env: Any) -> None:
+        self.bootstrap = bootstrap
+        self.namespace = namespace
+        self.log_dir = log_dir
+        self.env = {k: str(v) for k, v in env.items()}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self, instance: str = "p1") -> None:
+        self.starts += 1
+        env = dict(os.environ)
+        env.update(
+            CHATPLANE_KAFKA_BOOTSTRAP=self.bootstrap,
+            CHATPLANE_NAMESPACE=self.namespace,
+            CHATPLANE_PROCESSOR_ID=f"{instance}-{self.starts}",
+            CHATPLANE_DATA_DIR=str(self.log_dir / f"data-{instance}-{self.starts}"),
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.env)
+        log = open(self.log_dir / f"processor-{instance}-{self.starts}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "projections"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+async def wait_until_deciding(client: CommandClient, user_id: str = "probe", timeout_s: float = PROCESSOR_READY_TIMEOUT_S) -> Outcome:
+    """Ready means a real decision comes back: a ReconcileDue probe answered through the inbox."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        probe = ReconcileDue(
+            command_id=f"probe-{uuid.uuid4().hex}",
+            user_id=user_id,
+            issued_at_ms=int(time.time() * 1000),
+            as_of_ms=int(time.time() * 1000),
+            reply_to=client.reply_to(),
+        )
+        try:
+            return await client.decide(probe, timeout_s=PROBE_DECISION_TIMEOUT_S)
+        except DecisionTimeout:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
