@@ -75,4 +75,5 @@ def _ledger(d: dict[str, Any]) -> UserLedger:
         slots={int(k): v for k, v in d["slots"].items()},
         usage={k: UsageEntry(**v) for k, v in d["usage"].items()},
         last_event_ms=d["last_event_ms"],
+        open_windows_from_ms=d.get("open_windows_from_ms", 0),
     )

@@ -187,7 +187,9 @@ def _admit(
     epoch: int,
     created: bool,
 ) -> Decision:
-    window_start = policy.window_start_ms(c.issued_at_ms)
+    # A command delivered late may be stamped inside a window already retired; re-opening it with
+    # fresh counters would admit past its limit, so it is charged to the earliest open window.
+    window_start = max(policy.window_start_ms(c.issued_at_ms), state.open_windows_from_ms)
     window_end = window_start + policy.window_ms
     window = state.windows.get(window_start)
     limit = window.limit if window else policy.quota_limit(c.tier)

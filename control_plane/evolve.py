@@ -235,9 +235,10 @@ def _purged(state: UserLedger, e: ev.DedupRecordPurged) -> UserLedger:
 
 def _window_retired(state: UserLedger, e: ev.QuotaWindowRetired) -> UserLedger:
     windows = dict(state.windows)
-    windows.pop(e.window_start_ms, None)
+    retired = windows.pop(e.window_start_ms, None)
     reservations = {k: r for k, r in state.reservations.items() if r.window_start_ms != e.window_start_ms}
-    return replace(state, windows=windows, reservations=reservations)
+    open_from = max(state.open_windows_from_ms, retired.window_end_ms) if retired else state.open_windows_from_ms
+    return replace(state, windows=windows, reservations=reservations, open_windows_from_ms=open_from)
 
 
 _APPLY: dict[type, Callable[[UserLedger, Any], UserLedger]] = {

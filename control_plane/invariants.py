@@ -97,6 +97,9 @@ class InvariantMonitor:
     _history: dict[str, _History] = field(default_factory=dict)
     _settled: dict[str, ReservationState] = field(default_factory=dict)
     _seen_ids: dict[str, bytes] = field(default_factory=dict)
+    # (user, window start) -> (limit, reservations consumed in it so far). Outlives the window's
+    # retirement, which drops the live counters but not the entitlement (invariant 1 across time).
+    _window_spent: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     events_seen: int = 0
     duplicates_skipped: int = 0
 
@@ -148,6 +151,18 @@ class InvariantMonitor:
             found.append(Violation(invariant, message, e.user_id, e.event_id))
 
         history = self._history.get(e.generation_id)
+        if isinstance(e, ev.GenerationAdmitted):
+            spent = self._window_spent.setdefault((e.user_id, e.window_start_ms), [e.window_limit, 0])
+            live = self.states.get(e.user_id)
+            window = live.windows.get(e.window_start_ms) if live is not None else None
+            reserved = window.reserved if window is not None else 0
+            if spent[1] + reserved + 1 > spent[0]:
+                bad(1, f"window {e.window_start_ms}: {spent[1]} consumed + {reserved + 1} reserved > limit {spent[0]}")
+        elif isinstance(e, ev.ReservationConsumed):
+            spent = self._window_spent.setdefault((e.user_id, e.window_start_ms), [0, 0])
+            spent[1] += 1
+            if spent[1] > spent[0]:
+                bad(1, f"window {e.window_start_ms}: {spent[1]} reservations consumed > limit {spent[0]}")
         if isinstance(e, (ev.GenerationAdmitted, ev.AdmissionRejected)):
             if history is None:
                 self._history[e.generation_id] = _History(e.model_version)

@@ -99,6 +99,9 @@ class UserLedger:
     slots: dict[int, str] = field(default_factory=dict)
     usage: dict[str, UsageEntry] = field(default_factory=dict)  # "<generation_id>/<epoch>" -> usage
     last_event_ms: int = 0
+    # Admission never charges a window that starts before this: every earlier window was retired
+    # (its counters dropped), so a late command stamped inside one is charged to a later window.
+    open_windows_from_ms: int = 0
 
     def record_of(self, generation_id: str) -> RequestRecord | None:
         key = self.by_generation.get(generation_id)

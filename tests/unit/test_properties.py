@@ -1,0 +1,407 @@
+"""Hypothesis stateful tests: random command sequences for several users against the pure core.
+
+A ``RuleBasedStateMachine`` drives ``control_plane.aggregate.handle`` with every command type, valid and
+invalid (wrong epoch, wrong worker, duplicates, unknown ids, skewed issuer clocks), advances a clock
+across queue deadlines, lease expiries, 3-hour window boundaries and the 24-hour dedup retention, and
+redelivers earlier commands. After every step it checks the invariants defined once in
+``control_plane.invariants``, plus three properties of the whole history that only a test can see:
+
+- the live ledger equals the fold of every emitted event from scratch (``evolve_all``);
+- within retention an idempotency key names one generation id;
+- per (user, window) the reservations ever consumed never exceed the window's limit, even across
+  a window's retirement (``QuotaWindowRetired`` drops the counters, not the entitlement).
+
+The policy is small (quota 3 free, 5 paid; concurrency 2) so limits are actually hit. Sizes: the default profile
+runs in a few seconds; ``CHATPLANE_HYPOTHESIS_PROFILE=ci`` runs ten times more examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from collections import defaultdict
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from control_plane.aggregate import RECENT_DECISIONS_MAX, Aggregate, handle
+from control_plane.decide import decide
+from control_plane.evolve import evolve_all
+from control_plane.invariants import InvariantMonitor, check_state
+from control_plane.policy import HOUR_MS, ModelEntry, Policy
+from control_plane.state import UserLedger
+from schemas import commands as cmd
+from schemas import events as ev
+from schemas.codes import CancelReason, FinishOutcome, RejectionCode, RequestStatus, Tier
+from schemas.commands import ReplyTo
+from schemas.messages import OutcomeKind
+from tests.unit.ledger_dsl import T0, Ledger
+
+settings.register_profile(
+    "default",
+    max_examples=80,
+    stateful_step_count=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "ci",
+    max_examples=1000,
+    stateful_step_count=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+PROFILE = os.environ.get("CHATPLANE_HYPOTHESIS_PROFILE", "default")
+
+USERS = ("u0", "u1", "u2")
+KEYS = ("k0", "k1", "k2", "k3", "k4", "k5")
+FINGERPRINTS = ("fp-aaaaaaaa", "fp-bbbbbbbb")
+WORKERS = ("w1", "w2")
+# Most traffic goes to one user so that its quota and slots fill up; the others interleave.
+ANY_USER = st.sampled_from(["u0"] * 4 + ["u1"] * 2 + ["u2"])
+REPLY = ReplyTo(topic="chatplane.edge-inbox", partition=0, request_id="req")
+
+POLICY = Policy(
+    quota_limit_by_tier={Tier.FREE: 3, Tier.PAID: 5},
+    concurrency_limit=2,
+    models={
+        "fast-text-model": ModelEntry("fast-text-model", "smollm2-135m-instruct-q4_1"),
+        "paid-model": ModelEntry("paid-model", "bigger-model-v1", tiers=frozenset({Tier.PAID})),
+    },
+)
+
+# Clock steps that land on the interesting boundaries: within a queue wait, past the queue deadline
+# (15 s) and its reconcile grace (20 s), past a lease (10 s) and the run deadline (125 s), across a
+# 3-hour window boundary and past the 24-hour dedup retention.
+CLOCK_STEPS = st.one_of(
+    st.integers(min_value=0, max_value=4_000),
+    st.integers(min_value=0, max_value=4_000),
+    st.sampled_from([10_001, 15_001, 20_001, 125_001, 3 * HOUR_MS, 24 * HOUR_MS + 1]),
+)
+# How far behind the processor's clock an issuer's timestamp is: delayed delivery, skewed clocks.
+SKEW = st.one_of(st.just(0), st.just(0), st.integers(min_value=0, max_value=25_000))
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    @initialize()
+    def start(self) -> None:
+        self.now_ms = T0 + 3 * HOUR_MS - 60_000  # one minute before a window boundary
+        self.aggregates = {u: Aggregate.empty(u) for u in USERS}
+        self.monitor = InvariantMonitor(concurrency_limit=POLICY.concurrency_limit)
+        self.events: dict[str, list[ev.Event]] = {u: [] for u in USERS}
+        self.commands: dict[str, list[tuple[Any, Any]]] = {u: [] for u in USERS}  # (command, decision)
+        self.generations: dict[str, list[str]] = {u: [] for u in USERS}
+        self.key_to_generation: dict[tuple[str, str], str] = {}
+        # (user, window_start) -> reservation ids ever consumed in it, and the window's limit.
+        self.consumed: dict[tuple[str, int], set[str]] = defaultdict(set)
+        self.window_limit: dict[tuple[str, int], int] = {}
+        self.ids = itertools.count(1)
+        self.step_violations: list[Any] = []
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def base(self, user: str, skew: int = 0) -> dict[str, Any]:
+        return {
+            "command_id": f"c{next(self.ids)}",
+            "user_id": user,
+            "issued_at_ms": max(0, self.now_ms - skew),
+            "reply_to": REPLY,
+        }
+
+    def with_status(self, status: RequestStatus) -> list[tuple[str, str]]:
+        return [
+            (u, g)
+            for u in USERS
+            for g in self.generations[u]
+            if (r := self.aggregates[u].ledger.record_of(g)) is not None and r.status is status
+        ]
+
+    def pick(self, data: st.DataObject) -> tuple[str, str]:
+        """A (user, generation id): mostly an active generation, sometimes a settled or unknown one."""
+        active = [
+            (u, g)
+            for u in USERS
+            for g in self.generations[u]
+            if (r := self.aggregates[u].ledger.record_of(g)) is not None and r.status.active
+        ]
+        known = [(u, g) for u in USERS for g in self.generations[u]]
+        choice = data.draw(st.sampled_from(["active"] * 8 + ["known", "unknown"]))
+        if choice == "active" and active:
+            return data.draw(st.sampled_from(active))
+        if choice != "unknown" and known:
+            return data.draw(st.sampled_from(known))
+        return data.draw(st.sampled_from(USERS)), "gen_unknown000000000"
+
+    def pick_epoch(self, user: str, generation_id: str, delta: int) -> int:
+        record = self.aggregates[user].ledger.record_of(generation_id)
+        epoch = record.epoch if record is not None else 1
+        return max(1, epoch + delta)
+
+    def owner(self, user: str, generation_id: str) -> str | None:
+        record = self.aggregates[user].ledger.record_of(generation_id)
+        if record is None or record.attempt is None:
+            return None
+        return record.attempt.owner_worker_id
+
+    def run(self, command: Any) -> Any:
+        user = command.user_id
+        before = self.aggregates[user]
+        after, decision, redelivered = handle(before, command, POLICY)
+        assert not redelivered, "a fresh command id was answered from memory"
+        assert decision.outcome.command_id == command.command_id
+        for i, event in enumerate(decision.events):
+            assert event.event_id == f"{command.command_id}/{i}"
+            assert event.user_id == user
+            assert event.occurred_at_ms == command.issued_at_ms
+        if decision.outcome.kind is OutcomeKind.EXISTING and not isinstance(command, cmd.ReconcileDue):
+            assert after.ledger == before.ledger, "an EXISTING outcome changed the ledger"
+        self.aggregates[user] = after
+        self.commands[user].append((command, decision))
+        self.record(user, decision.events)
+        return decision
+
+    def record(self, user: str, events: tuple[ev.Event, ...]) -> None:
+        self.step_violations.extend(self.monitor.observe_batch(events))
+        self.events[user].extend(events)
+        for e in events:
+            if isinstance(e, (ev.GenerationAdmitted, ev.AdmissionRejected)):
+                known = self.key_to_generation.setdefault((user, e.idempotency_key), e.generation_id)
+                assert known == e.generation_id, f"key {e.idempotency_key} names {known} and {e.generation_id}"
+                if e.generation_id not in self.generations[user]:
+                    self.generations[user].append(e.generation_id)
+            if isinstance(e, ev.GenerationAdmitted):
+                self.window_limit.setdefault((user, e.window_start_ms), e.window_limit)
+            elif isinstance(e, ev.ReservationConsumed):
+                self.consumed[(user, e.window_start_ms)].add(e.reservation_id)
+            elif isinstance(e, ev.DedupRecordPurged):
+                self.key_to_generation.pop((user, e.idempotency_key), None)
+                if e.generation_id in self.generations[user]:
+                    self.generations[user].remove(e.generation_id)
+
+    # --- rules -----------------------------------------------------------------------------
+
+    @rule(step=CLOCK_STEPS)
+    def advance(self, step: int) -> None:
+        self.now_ms += step
+
+    @rule(offset_ms=st.integers(0, 5_000))
+    def cross_window_boundary(self, offset_ms: int) -> None:
+        """Jump to just after the next 3-hour boundary, where late commands from the old window arrive."""
+        self.now_ms = POLICY.window_start_ms(self.now_ms) + POLICY.window_ms + offset_ms
+
+    @rule(
+        user=ANY_USER,
+        key=st.sampled_from(KEYS),
+        fingerprint=st.sampled_from(FINGERPRINTS),
+        tier=st.sampled_from([Tier.FREE, Tier.FREE, Tier.PAID]),
+        model=st.sampled_from(["fast-text-model"] * 8 + ["paid-model", "nope"]),
+        queue_wait_ms=st.sampled_from([0] * 8 + [500, 5_000]),
+        max_output_tokens=st.sampled_from([100] * 4 + [1000] * 4 + [5000]),
+        skew=SKEW,
+    )
+    def submit(self, user, key, fingerprint, tier, model, queue_wait_ms, max_output_tokens, skew) -> None:
+        self.run(
+            cmd.SubmitGeneration(
+                **self.base(user, skew),
+                idempotency_key=key,
+                fingerprint=fingerprint,
+                model_alias=model,
+                tier=tier,
+                stream=True,
+                max_output_tokens=max_output_tokens,
+                input_tokens=10,
+                estimated_queue_wait_ms=queue_wait_ms,
+            )
+        )
+
+    @rule(data=st.data(), delta=st.sampled_from([0, 0, 0, -1, 1]), worker=st.sampled_from(WORKERS), skew=SKEW)
+    def accept(self, data, delta, worker, skew) -> None:
+        user, g = self.pick(data)
+        epoch = self.pick_epoch(user, g, delta)
+        self.run(cmd.AcceptAttempt(**self.base(user, skew), generation_id=g, epoch=epoch, worker_id=worker))
+
+    # The protocol's happy path, so that generations run to completion and quotas fill up.
+    @rule(data=st.data(), worker=st.sampled_from(WORKERS))
+    def accept_queued(self, data, worker) -> None:
+        queued = self.with_status(RequestStatus.QUEUED)
+        if queued:
+            user, g = data.draw(st.sampled_from(queued))
+            epoch = self.pick_epoch(user, g, 0)
+            self.run(cmd.AcceptAttempt(**self.base(user), generation_id=g, epoch=epoch, worker_id=worker))
+
+    @rule(data=st.data(), tokens=st.integers(0, 300))
+    def complete_running(self, data, tokens) -> None:
+        running = self.with_status(RequestStatus.RUNNING)
+        if running:
+            user, g = data.draw(st.sampled_from(running))
+            self.run(
+                cmd.ReportAttemptFinished(
+                    **self.base(user),
+                    generation_id=g,
+                    epoch=self.pick_epoch(user, g, 0),
+                    worker_id=self.owner(user, g) or "w-stranger",
+                    outcome=FinishOutcome.COMPLETED,
+                    input_tokens=10,
+                    output_tokens=tokens,
+                    finish_reason="stop",
+                )
+            )
+
+    @rule(data=st.data(), delta=st.sampled_from([0, 0, -1, 1]), worker=st.sampled_from(WORKERS), skew=SKEW)
+    def decline(self, data, delta, worker, skew) -> None:
+        user, g = self.pick(data)
+        epoch = self.pick_epoch(user, g, delta)
+        self.run(
+            cmd.DeclineAttempt(
+                **self.base(user, skew), generation_id=g, epoch=epoch, worker_id=worker, reason="queue_deadline"
+            )
+        )
+
+    @rule(
+        data=st.data(),
+        delta=st.sampled_from([0, 0, 0, -1]),
+        as_owner=st.sampled_from([True, True, True, False]),
+        tokens=st.integers(0, 200),
+        skew=SKEW,
+    )
+    def renew(self, data, delta, as_owner, tokens, skew) -> None:
+        user, g = self.pick(data)
+        epoch = self.pick_epoch(user, g, delta)
+        worker = (self.owner(user, g) if as_owner else None) or "w-stranger"
+        self.run(
+            cmd.RenewLease(**self.base(user, skew), generation_id=g, epoch=epoch, worker_id=worker, output_tokens=tokens)
+        )
+
+    @rule(data=st.data(), reason=st.sampled_from(list(CancelReason)), skew=SKEW)
+    def cancel(self, data, reason, skew) -> None:
+        user, g = self.pick(data)
+        self.run(cmd.CancelGeneration(**self.base(user, skew), generation_id=g, reason=reason))
+
+    @rule(
+        data=st.data(),
+        delta=st.sampled_from([0, 0, 0, -1, 1]),
+        as_owner=st.sampled_from([True, True, True, False]),
+        outcome=st.sampled_from([FinishOutcome.COMPLETED] * 3 + [FinishOutcome.STOPPED, FinishOutcome.FAILED]),
+        error_code=st.sampled_from([None, RejectionCode.GENERATION_TIMEOUT, RejectionCode.QUOTA_EXHAUSTED]),
+        tokens=st.integers(0, 300),
+        skew=SKEW,
+    )
+    def report(self, data, delta, as_owner, outcome, error_code, tokens, skew) -> None:
+        user, g = self.pick(data)
+        epoch = self.pick_epoch(user, g, delta)
+        worker = (self.owner(user, g) if as_owner else None) or "w-stranger"
+        self.run(
+            cmd.ReportAttemptFinished(
+                **self.base(user, skew),
+                generation_id=g,
+                epoch=epoch,
+                worker_id=worker,
+                outcome=outcome,
+                input_tokens=10,
+                output_tokens=tokens,
+                finish_reason="stop" if outcome is FinishOutcome.COMPLETED else "",
+                error_code=error_code,
+            )
+        )
+
+    @rule(user=ANY_USER)
+    def reconcile(self, user) -> None:
+        self.run(cmd.ReconcileDue(**self.base(user), as_of_ms=self.now_ms))
+
+    @rule(user=ANY_USER, back=st.integers(1, RECENT_DECISIONS_MAX))
+    def redeliver(self, user, back) -> None:
+        history = self.commands[user]
+        if not history:
+            return
+        command, original = history[-min(back, len(history))]
+        before = self.aggregates[user]
+        after, decision, redelivered = handle(before, command, POLICY)
+        assert redelivered, "a redelivered command within the memory bound was decided again"
+        assert decision == original, "a redelivery did not re-emit the same decision"
+        assert after is before, "a redelivery changed the aggregate"
+        # Readers see the re-emitted events again; the monitor must skip them as exact duplicates.
+        skipped = self.monitor.duplicates_skipped
+        self.step_violations.extend(self.monitor.observe_batch(decision.events))
+        assert self.monitor.duplicates_skipped == skipped + len(decision.events)
+
+    # --- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def no_violation_from_the_monitor(self) -> None:
+        violations, self.step_violations = self.step_violations, []
+        assert not violations, [str(v) for v in violations]
+
+    @invariant()
+    def every_state_satisfies_check_state(self) -> None:
+        for user, aggregate in self.aggregates.items():
+            found = check_state(aggregate.ledger, POLICY.concurrency_limit)
+            assert not found, [str(v) for v in found]
+
+    @invariant()
+    def the_state_is_the_fold_of_its_events(self) -> None:
+        for user, aggregate in self.aggregates.items():
+            assert evolve_all(UserLedger(user), self.events[user]) == aggregate.ledger
+            assert self.monitor.states.get(user, UserLedger(user)) == aggregate.ledger
+
+    @invariant()
+    def no_window_consumes_more_than_its_limit_across_retirement(self) -> None:
+        for (user, start), consumed in self.consumed.items():
+            live = self.aggregates[user].ledger.windows.get(start)
+            reserved = live.reserved if live is not None else 0
+            limit = self.window_limit[(user, start)]
+            assert len(consumed) + reserved <= limit, (
+                f"{user} window {start}: {len(consumed)} consumed + {reserved} reserved > limit {limit}"
+            )
+
+
+LedgerMachine.TestCase.settings = settings.get_profile(PROFILE)
+TestLedgerProperties = LedgerMachine.TestCase
+
+
+# --- regressions found while writing these properties -------------------------------------------
+
+
+def _fill_window_then_retire(limit: int = 2) -> tuple[Ledger, int]:
+    L = Ledger(policy=Policy(quota_limit_by_tier={Tier.FREE: limit, Tier.PAID: limit}))
+    boundary = T0 + 3 * HOUR_MS
+    L.now_ms = boundary - 10_000
+    for key in ("a", "b"):
+        g = L.submit(key).outcome.generation_id
+        L.accept(g)
+        L.report(g)
+    assert L.submit("c").outcome.code is RejectionCode.QUOTA_EXHAUSTED
+    L.now_ms = boundary + 1_000
+    assert [type(e) for e in L.reconcile().events] == [ev.QuotaWindowRetired]
+    return L, boundary
+
+
+def test_a_late_submit_stamped_in_a_retired_window_is_charged_to_an_open_window():
+    # Before the fix the retired window was re-created with zero counters and admitted a third
+    # message into a window whose limit is two.
+    L, boundary = _fill_window_then_retire()
+    L.now_ms = boundary - 5_000  # issued before the boundary, delivered after the reconcile
+    d = L.submit("d")
+    assert d.outcome.kind is OutcomeKind.ADMITTED
+    assert d.events[0].window_start_ms == boundary
+    assert d.outcome.details.reset_at_ms == boundary + 3 * HOUR_MS
+    assert T0 not in L.state.windows
+
+
+def test_the_monitor_counts_a_window_across_its_retirement():
+    # The live counters vanish with the window; the monitor's own count must not.
+    L, boundary = _fill_window_then_retire()
+    replay = InvariantMonitor(concurrency_limit=2)
+    assert replay.observe_batch(L.all_events) == []
+    late = cmd.SubmitGeneration(
+        command_id="late", user_id=L.user_id, issued_at_ms=boundary - 5_000, idempotency_key="d",
+        fingerprint="fp-aaaaaaaa", model_alias="fast-text-model", tier=Tier.FREE, stream=True,
+        max_output_tokens=10, input_tokens=1,
+    )
+    broken = dataclasses.replace(L.state, open_windows_from_ms=0)  # the state as it was before the fix
+    decision = decide(broken, late, L.policy)
+    assert decision.events[0].window_start_ms == T0
+    violations = replay.observe_batch(decision.events)
+    assert [v.invariant for v in violations] == [1], violations
