@@ -36,7 +36,7 @@ from pathlib import Path
 
 INFRA = Path(__file__).resolve().parent
 ROOT = INFRA.parent
-LIB = INFRA / "lib"
+LIB = Path(os.environ.get("CHATPLANE_LIB_DIR") or INFRA / "lib")
 MARKER = ".complete"
 
 # Named waits and timeouts (seconds). The ready timeouts can be overridden by environment.
