@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
 import struct
 import time
 from dataclasses import dataclass
@@ -88,6 +89,11 @@ class AdmissionProcessor:
             topic_allow_declare=False,
             table_standby_replicas=0,
             broker_commit_interval=settings.commit_interval_s,
+            # Static membership: a restarted instance takes its partitions back at once instead of
+            # waiting for the dead member's session to time out.
+            consumer_group_instance_id=settings.instance_id,
+            broker_session_timeout=settings.session_timeout_s,
+            broker_heartbeat_interval=settings.session_timeout_s / 4,
             producer_acks=-1,
             producer_linger_ms=1,
             consumer_auto_offset_reset="earliest",
@@ -248,12 +254,11 @@ class AdmissionProcessor:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("faust").setLevel(logging.WARNING)
+    level = os.environ.get("CHATPLANE_LOG_LEVEL", "WARNING").upper()
     settings = ProcessorSettings()
     processor = AdmissionProcessor(settings)
     asyncio.run(processor.check_topology())
-    worker = faust.Worker(processor.app, loglevel="WARNING", quiet=True)
+    worker = faust.Worker(processor.app, loglevel=level, quiet=True)
     worker.execute_from_commandline()
 
 

@@ -45,7 +45,10 @@ def policy_from_env() -> Policy:
 class ProcessorSettings:
     kafka_bootstrap: str = field(default_factory=lambda: os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
     topology: Topology = field(default_factory=lambda: Topology(os.environ.get("CHATPLANE_NAMESPACE", "")))
-    instance_id: str = field(default_factory=lambda: os.environ.get("CHATPLANE_PROCESSOR_ID", f"{socket.gethostname()}-{os.getpid()}"))
+    # Stable across restarts of the same instance (it is the consumer group's static member id).
+    instance_id: str = field(default_factory=lambda: os.environ.get("CHATPLANE_PROCESSOR_ID", socket.gethostname()))
+    # A member that stops heartbeating for this long loses its partitions to the others.
+    session_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_PROCESSOR_SESSION_TIMEOUT_S", 10.0))
     # How often consumed offsets are committed; commands after the last commit are redelivered
     # after a crash (and answered from the aggregates' decision memory).
     commit_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_PROCESSOR_COMMIT_INTERVAL_S", 1.0))

@@ -40,7 +40,7 @@ class ProcessorProcess:
         env.update(
             CHATPLANE_KAFKA_BOOTSTRAP=self.bootstrap,
             CHATPLANE_NAMESPACE=self.namespace,
-            CHATPLANE_PROCESSOR_ID=f"{instance}-{self.starts}",
+            CHATPLANE_PROCESSOR_ID=instance,
             CHATPLANE_DATA_DIR=str(self.log_dir / f"data-{instance}-{self.starts}"),
             PYTHONUNBUFFERED="1",
         )
