@@ -12,49 +12,18 @@ import pytest
 
 from projections.audit import audit, read_topic
 from projections.client import CommandClient, DecisionTimeout
-from projections.kafka_admin import delete_topics, ensure_topics
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, Outcome, OutcomeKind
-from schemas.topics import Topology
 from schemas.wire import decode_ledger_entry, decode_message, encode
-from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding
+from tests.integration.ledger_harness import wait_until_deciding
 
 pytestmark = pytest.mark.integration
 
-LOAD_DECISION_TIMEOUT_S = 15.0
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-@pytest.fixture
-async def topology(kafka_bootstrap):
-    topo = Topology(f"t{uuid.uuid4().hex[:10]}")
-    await ensure_topics(kafka_bootstrap, topo.all())
-    yield topo
-    await delete_topics(kafka_bootstrap, [s.name for s in topo.all()])
-
-
-@pytest.fixture
-def processor_factory(kafka_bootstrap, topology, tmp_path):
-    started: list[ProcessorProcess] = []
-
-    def make(**env) -> ProcessorProcess:
-        p = ProcessorProcess(kafka_bootstrap, topology.namespace, tmp_path, **env)
-        started.append(p)
-        return p
-
-    yield make
-    for p in started:
-        p.stop()
-
-
-@pytest.fixture
-async def client(kafka_bootstrap, topology):
-    async with CommandClient(kafka_bootstrap, topology, inbox_partition=0, decision_timeout_s=LOAD_DECISION_TIMEOUT_S) as c:
-        yield c
 
 
 def submit(client: CommandClient, user: str, key: str, fingerprint: str = "fp-aaaaaaaa", **over) -> cmd.SubmitGeneration:
