@@ -7,6 +7,12 @@
   kind that carries generated text, so it lives only on the short-retention edge inbox.
 - ``GenerationFinalized``: processor -> edge inbox, sent after the terminal transition committed.
 - ``WorkerHeartbeat``: worker -> ``capacity``.
+- ``PromptRequest`` / ``PromptPayload``: the request content never enters commands, the ledger or
+  dispatch. The edge that admitted a generation holds its messages in memory (bounded) while it
+  holds the client's connection; a worker that received a dispatch asks that edge for them (on the
+  dispatch's ``stream_to`` partition) *before* it accepts, and the edge answers on the worker's
+  control partition. No answer in time (the edge is gone, so is the client) -> the worker declines,
+  which proves the attempt never started and releases the reservation.
 """
 
 from __future__ import annotations
@@ -125,6 +131,33 @@ class WorkerHeartbeat:
     tokens_per_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str  # "user" or "assistant": a client cannot supply system or developer instructions
+    content: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptRequest:
+    type: Literal["PromptRequest"] = "PromptRequest"
+    schema_version: int = MESSAGE_SCHEMA_VERSION
+    generation_id: str
+    epoch: int
+    worker_id: str
+    reply_to: ReplyTo
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptPayload:
+    type: Literal["PromptPayload"] = "PromptPayload"
+    schema_version: int = MESSAGE_SCHEMA_VERSION
+    generation_id: str
+    epoch: int
+    worker_id: str
+    found: bool
+    messages: tuple[ChatMessage, ...] = ()
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     Outcome,
     DispatchAuthorized,
@@ -132,4 +165,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     TextDelta,
     GenerationFinalized,
     WorkerHeartbeat,
+    PromptRequest,
+    PromptPayload,
 )

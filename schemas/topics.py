@@ -44,7 +44,8 @@ class TopicSpec:
 COMMANDS = TopicSpec("chatplane.commands", USER_PARTITIONS, 7 * DAY_MS)
 LEDGER = TopicSpec("chatplane.ledger", USER_PARTITIONS, -1)  # the audit record: kept (see docs/retention.md)
 USAGE = TopicSpec("chatplane.usage", USER_PARTITIONS, 400 * DAY_MS)
-WORKER_CONTROL = TopicSpec("chatplane.worker-control", WORKER_CONTROL_PARTITIONS, 6 * HOUR_MS)
+# Carries prompt payloads from edges to workers: short retention by design.
+WORKER_CONTROL = TopicSpec("chatplane.worker-control", WORKER_CONTROL_PARTITIONS, 1 * HOUR_MS)
 # Holds generated text in flight: short retention by design.
 EDGE_INBOX = TopicSpec("chatplane.edge-inbox", EDGE_INBOX_PARTITIONS, 1 * HOUR_MS)
 CAPACITY = TopicSpec("chatplane.capacity", CAPACITY_PARTITIONS, 1 * HOUR_MS)

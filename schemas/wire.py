@@ -22,8 +22,10 @@ from schemas.messages import MESSAGE_TYPES
 
 T = TypeVar("T")
 
-# Largest message the processor accepts; a bigger one is dead-lettered, never parsed.
+# Largest command or ledger entry accepted; a bigger one is dead-lettered, never parsed.
 WIRE_MESSAGE_BYTES_MAX = 64 * 1024
+# Largest message between edge and workers (a prompt payload carries a request body of <= 256 KiB).
+WIRE_CONTENT_MESSAGE_BYTES_MAX = 1024 * 1024
 
 _STRICT = ConfigDict(extra="forbid")
 for _cls in (*COMMAND_TYPES, *EVENT_TYPES, *MESSAGE_TYPES, LedgerEntry):
@@ -89,9 +91,11 @@ def _upcast(doc: Any) -> Any:
     return doc
 
 
-def _decode(adapter: TypeAdapter[T], data: bytes | str, nested: str | None = None) -> T:
-    if len(data) > WIRE_MESSAGE_BYTES_MAX:
-        raise WireError(f"message of {len(data)} bytes exceeds {WIRE_MESSAGE_BYTES_MAX}")
+def _decode(
+    adapter: TypeAdapter[T], data: bytes | str, nested: str | None = None, max_bytes: int = WIRE_MESSAGE_BYTES_MAX
+) -> T:
+    if len(data) > max_bytes:
+        raise WireError(f"message of {len(data)} bytes exceeds {max_bytes}")
     try:
         doc = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
@@ -123,7 +127,7 @@ def decode_ledger_entry(data: bytes | str) -> LedgerEntry:
 
 
 def decode_message(data: bytes | str) -> Any:
-    return _decode(_MESSAGES, data)
+    return _decode(_MESSAGES, data, max_bytes=WIRE_CONTENT_MESSAGE_BYTES_MAX)
 
 
 @cache
