@@ -42,6 +42,8 @@ class GenerationAdmitted(_EventBase):
     """A request reserved a message in ``window_start_ms``, took a slot and was dispatched as ``epoch``."""
 
     type: Literal["GenerationAdmitted"] = "GenerationAdmitted"
+    # v2 added window_end_ms (v1 readers derived it from the fixed 3-hour width).
+    schema_version: int = 2
     idempotency_key: str
     fingerprint: str
     model_alias: str

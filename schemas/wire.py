@@ -53,6 +53,16 @@ def upcaster(type_name: str, from_version: int) -> Callable[[Upcaster], Upcaster
     return register
 
 
+# Every deployment before v2 of GenerationAdmitted used fixed 3-hour windows.
+_V1_WINDOW_MS = 3 * 3600 * 1000
+
+
+@upcaster("GenerationAdmitted", 1)
+def _admitted_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
+    doc.setdefault("window_end_ms", doc["window_start_ms"] + _V1_WINDOW_MS)
+    return doc
+
+
 def _union(types: tuple[type, ...]) -> TypeAdapter[Any]:
     return TypeAdapter(Annotated[Union[types], Field(discriminator="type")])  # type: ignore[valid-type]
 
