@@ -7,6 +7,7 @@ Usage (normally through the wrappers beside this file)::
     stack.py kafka-start | kafka-stop | cassandra-start | cassandra-stop
     stack.py wait kafka|cassandra [--timeout S]
     stack.py create-topics            # every topic of schemas.topics.all_topics() + the keyspace
+                                      # (CHATPLANE_NAMESPACE=ns: the topics of Topology(ns) instead)
     stack.py status
 
 Start commands run the server in the background (own session, pid in ``.run/``), and return only
@@ -659,7 +660,13 @@ def create_topics(cfg: Config) -> None:
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-    specs = T.all_topics()
+    # CHATPLANE_NAMESPACE (as the processes read it) prefixes every topic: isolated deployments
+    # (such as a test) share one cluster.
+    namespace = os.environ.get("CHATPLANE_NAMESPACE", "")
+    if namespace:
+        specs = T.Topology(namespace).all()
+    else:
+        specs = T.all_topics()
 
     async def go() -> None:
         admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap, request_timeout_ms=CREATE_TOPICS_TIMEOUT_MS)
