@@ -123,6 +123,33 @@ def require_java(cfg: Config) -> str:
     return java
 
 
+JAVA_VERSION_PROBE_TIMEOUT_S = 30.0
+KAFKA_JAVA_VERSIONS = range(17, 100)  # Kafka 4.x brokers need Java 17+
+CASSANDRA_JAVA_VERSIONS = (11, 17)  # Cassandra 5.0 supports exactly these
+
+
+def java_major(java: str) -> int:
+    out = subprocess.run(
+        [java, "-XshowSettings:properties", "-version"],
+        capture_output=True, text=True, timeout=JAVA_VERSION_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL,
+    ).stderr
+    for line in out.splitlines():
+        if "java.specification.version" in line:
+            version = line.split("=", 1)[1].strip()  # "17", or "1.8" for Java 8
+            return int(version[2:] if version.startswith("1.") else version.split(".")[0])
+    raise InfraError(f"could not tell the version of {java}:\n{out[-500:]}")
+
+
+def require_java_version(java: str, allowed, server: str) -> None:
+    major = java_major(java)
+    needs = "/".join(map(str, allowed)) if isinstance(allowed, tuple) else f"{allowed.start}+"
+    if major not in allowed:
+        raise InfraError(
+            f"{server} cannot run on Java {major} ({java}): it needs {needs}; "
+            "set CHATPLANE_JAVA (or CHATPLANE_JAVA_HOME) to a JDK 17, e.g. /usr/lib/jvm/java-17-openjdk-amd64/bin/java"
+        )
+
+
 def require_jars(component: str) -> Path:
     lib = LIB / component
     if not (lib / MARKER).exists():
@@ -366,6 +393,7 @@ def kafka_start(cfg: Config) -> None:
         say("kafka already running")
         return
     java = require_java(cfg)
+    require_java_version(java, KAFKA_JAVA_VERSIONS, "Kafka 4.1")
     lib = require_jars("kafka")
     props = write_kafka_config(cfg)
     data, logs, conf = kafka_dirs(cfg)
@@ -605,6 +633,7 @@ def cassandra_start(cfg: Config) -> None:
         say("cassandra already running")
         return
     java = require_java(cfg)
+    require_java_version(java, CASSANDRA_JAVA_VERSIONS, "Cassandra 5.0")
     lib = require_jars("cassandra")
     d = write_cassandra_config(cfg)
     jamm = sorted(lib.glob("jamm-*.jar"))

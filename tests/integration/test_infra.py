@@ -128,3 +128,22 @@ def test_missing_mvn_is_one_clear_line(tmp_path):
     )
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "install Maven" in res.stderr, res.stderr
+
+
+JAVA_25 = Path("/usr/lib/jvm/temurin-25-jdk-amd64/bin/java")
+
+
+@pytest.mark.skipif(not JAVA_25.exists(), reason="no Java 25 on this machine")
+def test_cassandra_refuses_an_unsupported_java(tmp_path):
+    res = run(
+        "cassandra-start",
+        env={
+            "CHATPLANE_JAVA": str(JAVA_25),
+            "CHATPLANE_CASSANDRA_PORT": "1",  # nothing answers there
+            "CHATPLANE_VAR_DIR": str(tmp_path / "var"),
+            "CHATPLANE_RUN_DIR": str(tmp_path / "run"),
+        },
+    )
+    assert res.returncode == 1
+    errors = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(errors) == 1 and "cannot run on Java 25" in errors[0], res.stderr
