@@ -11,30 +11,51 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import orjson
+
 from control_plane.decide import Decision, decide
 from control_plane.evolve import evolve_all
 from control_plane.policy import Policy
 from control_plane.state import UserLedger
 from schemas.commands import Command
+from schemas.wire import encode, event_from_dict, message_from_dict
 
 # Decisions remembered per user. Redelivery only replays commands after the partition's last
-# committed offset, so this must exceed the commands one user issues within one commit interval.
+# committed offset, so this must exceed the commands one user issues within one commit interval
+# (1 s by default; the burst limit allows 20 requests, each a handful of commands).
 RECENT_DECISIONS_MAX = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Remembered:
+    """One remembered decision, kept encoded: it is written to the changelog with every command but
+    read back only on a redelivery, so it is encoded once, when it is made."""
+
+    command_id: str
+    encoded: bytes
+
+    @classmethod
+    def of(cls, command_id: str, decision: Decision) -> Remembered:
+        return cls(command_id, encode({"events": decision.events, "outcome": decision.outcome}))
+
+    def decision(self) -> Decision:
+        doc = orjson.loads(self.encoded)
+        return Decision(tuple(event_from_dict(e) for e in doc["events"]), message_from_dict(doc["outcome"]))
 
 
 @dataclass(frozen=True, slots=True)
 class Aggregate:
     ledger: UserLedger
-    recent: tuple[tuple[str, Decision], ...] = field(default=())
+    recent: tuple[Remembered, ...] = field(default=())
 
     @classmethod
     def empty(cls, user_id: str) -> Aggregate:
         return cls(UserLedger(user_id))
 
     def remembered(self, command_id: str) -> Decision | None:
-        for seen_id, decision in reversed(self.recent):
-            if seen_id == command_id:
-                return decision
+        for seen in reversed(self.recent):
+            if seen.command_id == command_id:
+                return seen.decision()
         return None
 
 
@@ -47,5 +68,5 @@ def handle(aggregate: Aggregate, command: Command, policy: Policy) -> tuple[Aggr
         return aggregate, seen, True
     decision = decide(aggregate.ledger, command, policy)
     ledger = evolve_all(aggregate.ledger, decision.events)
-    recent = (*aggregate.recent[-(RECENT_DECISIONS_MAX - 1) :], (command.command_id, decision))
+    recent = (*aggregate.recent[-(RECENT_DECISIONS_MAX - 1) :], Remembered.of(command.command_id, decision))
     return Aggregate(ledger, recent), decision, False

@@ -11,31 +11,27 @@ from typing import Any
 
 import orjson
 
-from control_plane.aggregate import Aggregate
-from control_plane.decide import Decision
+from control_plane.aggregate import Aggregate, Remembered
 from control_plane.state import Attempt, QuotaWindow, RequestRecord, Reservation, UsageEntry, UserLedger
 from schemas.codes import CancelReason, RejectionCode, RequestStatus, ReservationState, Tier
 from schemas.commands import ReplyTo
-from schemas.wire import event_from_dict, message_from_dict
 
 STATE_CODEC_VERSION = 1
 _OPTIONS = orjson.OPT_NON_STR_KEYS
 
 
 def dump_aggregate(aggregate: Aggregate) -> bytes:
-    return orjson.dumps({"v": STATE_CODEC_VERSION, "a": aggregate}, option=_OPTIONS)
+    # Remembered decisions are already JSON: embedded as fragments, never re-serialized.
+    recent = [[r.command_id, orjson.Fragment(r.encoded)] for r in aggregate.recent]
+    return orjson.dumps({"v": STATE_CODEC_VERSION, "ledger": aggregate.ledger, "recent": recent}, option=_OPTIONS)
 
 
 def load_aggregate(data: bytes) -> Aggregate:
     doc = orjson.loads(data)
     if doc.get("v") != STATE_CODEC_VERSION:
         raise ValueError(f"unsupported state codec version {doc.get('v')!r}")
-    a = doc["a"]
-    recent = tuple(
-        (command_id, Decision(tuple(event_from_dict(e) for e in d["events"]), message_from_dict(d["outcome"])))
-        for command_id, d in a["recent"]
-    )
-    return Aggregate(_ledger(a["ledger"]), recent)
+    recent = tuple(Remembered(command_id, orjson.dumps(d)) for command_id, d in doc["recent"])
+    return Aggregate(_ledger(doc["ledger"]), recent)
 
 
 def _reply_to(d: dict[str, Any] | None) -> ReplyTo | None:
