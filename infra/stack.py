@@ -319,6 +319,9 @@ def write_kafka_config(cfg: Config) -> Path:
                 "share.coordinator.state.topic.replication.factor=1",
                 "share.coordinator.state.topic.min.isr=1",
                 "group.initial.rebalance.delay.ms=0",
+                # Lets tests use short consumer session timeouts (fast kill -9 failover); Kafka's
+                # default minimum is 6000.
+                "group.min.session.timeout.ms=1000",
                 "num.network.threads=2",
                 "num.io.threads=4",
                 "num.recovery.threads.per.data.dir=1",

@@ -19,8 +19,9 @@ Fixtures:
     cassandra_port       (session) int CQL native port
     cassandra_session    (session) a connected cassandra-driver Session (no keyspace set)
     kafka_admin          (function) started AIOKafkaAdminClient
-    fresh_topic          (function) async factory: ``name = await fresh_topic("label", partitions=3)``;
-                         every topic it made is deleted after the test
+    fresh_topic          (function) async factory: ``name = await fresh_topic("label", partitions=3,
+                         retention_ms=60000)`` (keyword configs: "_" -> "."); returns once every
+                         partition has a leader; every topic it made is deleted after the test
     fresh_keyspace       (function) name of a new SimpleStrategy RF1 keyspace, dropped afterwards
     unique_name          (function) factory: ``unique_name("group")`` -> "test-group-<hex>"
 """
