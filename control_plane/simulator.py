@@ -270,11 +270,8 @@ class Simulation:
     # --- running -------------------------------------------------------------------------------
 
     def run(self, steps: int) -> Stats:
-        for user in self.users:
-            self.at(self.between(self.config.request_gap_ms), self.edge.new_request, user)
-        self.at(self.config.timer_period_ms, self.processor.timer_tick)
-        for worker in self.workers:
-            self.at(self.between((1, 50)), worker.poll, worker.incarnation)
+        """Start, take ``steps`` steps (with random pauses), then drain and check the end state."""
+        self.start()
         while self.stats.steps < steps and self._heap:
             self.step()
             if self.rng.random() < self.config.pause_p:
@@ -283,7 +280,15 @@ class Simulation:
         self.drain()
         return self.stats
 
+    def start(self) -> None:
+        for user in self.users:
+            self.at(self.between(self.config.request_gap_ms), self.edge.new_request, user)
+        self.at(self.config.timer_period_ms, self.processor.timer_tick)
+        for worker in self.workers:
+            self.at(self.between((1, 50)), worker.poll, worker.incarnation)
+
     def step(self) -> None:
+        """Deliver the next pending event (skipping one lost in a crash) at its time."""
         when, seq, fn, args = heapq.heappop(self._heap)
         if seq in self._cancelled:
             self._cancelled.discard(seq)
