@@ -867,11 +867,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20_000)
     parser.add_argument("--seeds", type=int, default=1, help="run this many consecutive seeds from --seed")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="override a SimConfig number, e.g. net_drop_p=0.2"
+    )
     args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if name not in SimConfig.__dataclass_fields__:
+            parser.error(f"unknown SimConfig field {name!r}")
+        overrides[name] = float(value) if "." in value or "e" in value else int(value)
+    config = SimConfig(**overrides)
     for seed in range(args.seed, args.seed + args.seeds):
         started = time.perf_counter()
         try:
-            sim = simulate(seed, args.steps)
+            sim = simulate(seed, args.steps, config)
         except SimulationFailed as exc:
             print(exc, file=sys.stderr)
             return 1

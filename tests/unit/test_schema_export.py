@@ -1,0 +1,29 @@
+"""The committed JSON Schemas in docs/schemas/ are what ``python -m schemas.export`` writes today."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from schemas import export
+from schemas.commands import COMMAND_TYPES
+from schemas.events import EVENT_TYPES
+from schemas.messages import MESSAGE_TYPES
+
+
+def test_the_committed_schema_files_are_up_to_date() -> None:
+    assert export.stale() == [], "docs/schemas/ is out of date: run .venv/bin/python -m schemas.export"
+
+
+def test_every_wire_type_appears_in_its_schema_file() -> None:
+    for name, types in (("commands.json", COMMAND_TYPES), ("ledger_events.json", EVENT_TYPES), ("messages.json", MESSAGE_TYPES)):
+        schema = json.loads((export.DEFAULT_DIR / name).read_text(encoding="utf-8"))
+        assert {t.__name__ for t in types} <= set(schema["$defs"]), name
+
+
+def test_check_mode_reports_a_stale_file(tmp_path: Path) -> None:
+    export.write(tmp_path)
+    assert export.main(["--check", "--dir", str(tmp_path)]) == 0
+    (tmp_path / "commands.json").write_text("{}\n", encoding="utf-8")
+    assert export.stale(tmp_path) == ["commands.json"]
+    assert export.main(["--check", "--dir", str(tmp_path)]) == 1
