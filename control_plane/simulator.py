@@ -107,6 +107,7 @@ class SimConfig:
     pause_p: float = 0.0003  # per step: everything pauses and the clock jumps
     pause_ms: tuple[int, ...] = (11_000, 16_000, 30_000, 130_000, 11 * 60_000, 25 * 3600_000)
     poll_every_ms: int = 2_000  # a worker with a free slot also polls when dispatch arrives
+    clock_skew_ms: int = 2_000  # each issuer's clock is off the true time by up to this, either way
 
 
 def sim_policy(config: SimConfig) -> Policy:
@@ -313,10 +314,14 @@ class Simulation:
         self._heap.clear()
         self.check_end()
 
-    def reconcile_command(self, user: str) -> cmd.ReconcileDue:
+    def reconcile_command(self, user: str, skew_ms: int = 0) -> cmd.ReconcileDue:
+        at_ms = self.now_ms + skew_ms
         return cmd.ReconcileDue(
-            command_id=self.new_id(f"reconcile:{user}"), user_id=user, issued_at_ms=self.now_ms, as_of_ms=self.now_ms
+            command_id=self.new_id(f"reconcile:{user}"), user_id=user, issued_at_ms=at_ms, as_of_ms=at_ms
         )
+
+    def skew(self) -> int:
+        return self.rng.randint(-self.config.clock_skew_ms, self.config.clock_skew_ms)
 
     def check_end(self) -> None:
         for user in self.users:
@@ -384,6 +389,7 @@ class Processor:
         self.since_commit = 0
         self.commit_after = sim.between(sim.config.commit_every)
         self.pending_ledger: list[tuple[int, bytes]] = []  # (offset, entry) not yet on the ledger log
+        self.clock_skew_ms = sim.skew()  # the timer's clock
         self.in_flight: list[tuple[int, list[int]]] = []  # (offset, heap seqs) of outputs still travelling
 
     def track(self, origin: int, seqs: list[int]) -> None:
@@ -496,8 +502,8 @@ class Processor:
         if self.up:
             for user, aggregate in self.aggregates.items():
                 deadline = next_deadline_ms(aggregate.ledger, sim.policy)
-                if deadline is not None and deadline <= sim.now_ms:
-                    sim.append_command(sim.reconcile_command(user))
+                if deadline is not None and deadline <= sim.now_ms + self.clock_skew_ms:
+                    sim.append_command(sim.reconcile_command(user, self.clock_skew_ms))
         sim.at(sim.config.timer_period_ms, self.timer_tick)
 
 
@@ -530,6 +536,7 @@ class Edge:
         self.by_generation: dict[str, Request] = {}
         self.history: dict[str, list[Request]] = defaultdict(list)
         self.fingerprints: dict[tuple[str, str], set[str]] = defaultdict(set)
+        self.clock_skew_ms = sim.skew()
 
     def reply_to(self) -> tuple[str, cmd.ReplyTo]:
         request_id = self.sim.new_id("edge:r")
@@ -565,7 +572,7 @@ class Edge:
         command = cmd.SubmitGeneration(
             command_id=sim.new_id(f"submit:{request.user}"),
             user_id=request.user,
-            issued_at_ms=sim.now_ms,
+            issued_at_ms=sim.now_ms + self.clock_skew_ms,
             idempotency_key=request.key,
             fingerprint=request.fingerprint,
             model_alias=MODEL_ALIAS,
@@ -590,7 +597,7 @@ class Edge:
         command = cmd.CancelGeneration(
             command_id=sim.new_id(f"cancel:{request.user}"),
             user_id=request.user,
-            issued_at_ms=sim.now_ms,
+            issued_at_ms=sim.now_ms + self.clock_skew_ms,
             generation_id=request.generation_id,
             reason=reason,
             reply_to=reply_to,
@@ -681,6 +688,11 @@ class Worker:
         self.runs: dict[tuple[str, int], Run] = {}
         self.pending: dict[str, tuple[tuple[str, int], str, int]] = {}  # request id -> (run, kind, sent at)
         self.partition = topics.worker_control_partition(worker_id)
+        self.clock_skew_ms = sim.skew()
+
+    def clock(self) -> int:
+        """This worker's clock (skewed): it stamps commands and judges deadlines with it."""
+        return self.sim.now_ms + self.clock_skew_ms
 
     def poll(self, incarnation: int, again: bool = True) -> None:
         sim = self.sim
@@ -698,14 +710,14 @@ class Worker:
         command = command_cls(
             command_id=sim.new_id(f"{kind}:{self.worker_id}"),
             user_id=d.user_id,
-            issued_at_ms=sim.now_ms,
+            issued_at_ms=self.clock(),
             generation_id=d.generation_id,
             epoch=d.epoch,
             worker_id=self.worker_id,
             reply_to=cmd.ReplyTo(topic=sim.topology.worker_control.name, partition=self.partition, request_id=request_id),
             **fields,
         )
-        self.pending[request_id] = (key, kind, sim.now_ms)
+        self.pending[request_id] = (key, kind, self.clock())
         sim.append_command(command)
         sim.at(sim.config.reply_timeout_ms, self.timeout, request_id, self.incarnation)
 
@@ -714,7 +726,7 @@ class Worker:
         key = (d.generation_id, d.epoch)
         if key in self.runs:
             return  # a duplicate delivery of a dispatch this worker already holds
-        if sim.now_ms > d.queue_deadline_ms:
+        if self.clock() > d.queue_deadline_ms:
             # Too old to start: prove it never will (the processor releases the reservation).
             self.send(key, "decline", cmd.DeclineAttempt, dispatch=d, reason="queue_deadline")
             return
@@ -757,7 +769,7 @@ class Worker:
             return
         retries = self.sim.config.worker_retries_max
         if kind == "accept" and run.phase == "accepting":
-            if run.tries < retries and self.sim.now_ms <= run.dispatch.queue_deadline_ms:
+            if run.tries < retries and self.clock() <= run.dispatch.queue_deadline_ms:
                 self.accept(key)
             else:
                 # Acceptance never confirmed: never start. If it did commit, the lease runs out.
@@ -785,7 +797,7 @@ class Worker:
             if not mine:
                 self.release(key)
                 return
-            run.phase, run.lease_until_ms, run.last_renew_ms = "running", lease_until, sim.now_ms
+            run.phase, run.lease_until_ms, run.last_renew_ms = "running", lease_until, self.clock()
             sim.started.append((key[0], key[1], self.worker_id))
             sim.stats.inferences_started += 1
             sim.at(sim.between(sim.config.decode_step_ms), self.decode, key, self.incarnation)
@@ -816,7 +828,7 @@ class Worker:
         if sim.rng.random() < sim.config.worker_crash_p:
             self.crash()
             return
-        if sim.now_ms >= run.lease_until_ms:
+        if self.clock() >= run.lease_until_ms:
             self.finish(key, FinishOutcome.FAILED)  # could not renew ownership in time: stop computing
             return
         if run.cancel:
@@ -828,8 +840,8 @@ class Worker:
             failed = sim.rng.random() < sim.config.fail_p
             self.finish(key, FinishOutcome.FAILED if failed else FinishOutcome.COMPLETED)
             return
-        if sim.now_ms - run.last_renew_ms >= sim.config.renew_every_ms:
-            run.last_renew_ms = sim.now_ms
+        if self.clock() - run.last_renew_ms >= sim.config.renew_every_ms:
+            run.last_renew_ms = self.clock()
             self.send(key, "renew", cmd.RenewLease, output_tokens=run.tokens)
         sim.at(sim.between(sim.config.decode_step_ms), self.decode, key, incarnation)
 
