@@ -11,7 +11,7 @@ redelivers earlier commands. After every step it checks the invariants defined o
 - per (user, window) the reservations ever consumed never exceed the window's limit, even across
   a window's retirement (``QuotaWindowRetired`` drops the counters, not the entitlement).
 
-The policy is small (quota 3 free, 5 paid; concurrency 2) so limits are actually hit. Sizes: the default profile
+The policy is small (quota 3 free, 5 paid; concurrency 2; 6 dedup records per user) so limits are actually hit. Sizes: the default profile
 runs in a few seconds; ``CHATPLANE_HYPOTHESIS_PROFILE=ci`` runs ten times more examples.
 """
 
@@ -57,7 +57,7 @@ settings.register_profile(
 PROFILE = os.environ.get("CHATPLANE_HYPOTHESIS_PROFILE", "default")
 
 USERS = ("u0", "u1", "u2")
-KEYS = ("k0", "k1", "k2", "k3", "k4", "k5")
+KEYS = tuple(f"k{i}" for i in range(10))
 FINGERPRINTS = ("fp-aaaaaaaa", "fp-bbbbbbbb")
 WORKERS = ("w1", "w2")
 # Most traffic goes to one user so that its quota and slots fill up; the others interleave.
@@ -67,6 +67,7 @@ REPLY = ReplyTo(topic="chatplane.edge-inbox", partition=0, request_id="req")
 POLICY = Policy(
     quota_limit_by_tier={Tier.FREE: 3, Tier.PAID: 5},
     concurrency_limit=2,
+    dedup_records_per_user_max=6,  # small, so that the oldest settled records are purged early
     models={
         "fast-text-model": ModelEntry("fast-text-model", "smollm2-135m-instruct-q4_1"),
         "paid-model": ModelEntry("paid-model", "bigger-model-v1", tiers=frozenset({Tier.PAID})),
