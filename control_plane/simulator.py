@@ -108,6 +108,7 @@ class SimConfig:
     pause_ms: tuple[int, ...] = (11_000, 16_000, 30_000, 130_000, 11 * 60_000, 25 * 3600_000)
     poll_every_ms: int = 2_000  # a worker with a free slot also polls when dispatch arrives
     clock_skew_ms: int = 2_000  # each issuer's clock is off the true time by up to this, either way
+    drain_ms: int = 10 * 60_000  # how long the system runs without new requests before the final reconcile
 
 
 def sim_policy(config: SimConfig) -> Policy:
@@ -301,7 +302,7 @@ class Simulation:
     def drain(self) -> None:
         """Stop new requests, let the system run past every deadline, reconcile, and check the end state."""
         self.draining = True
-        horizon = self.now_ms + 10 * 60_000
+        horizon = self.now_ms + self.config.drain_ms
         while self._heap and self._heap[0][0] <= horizon:
             self.step()
         self._heap.clear()
@@ -311,6 +312,10 @@ class Simulation:
         for user in self.users:
             self.processor.log.append(encode(self.reconcile_command(user)))
         self.processor.process_all()
+        # The usage records of that last reconcile are flushed with it; nothing else is delivered.
+        for _, seq, fn, args in sorted(self._heap, key=lambda item: item[:2]):
+            if fn == self.deliver_usage and seq not in self._cancelled:
+                fn(*args)
         self._heap.clear()
         self.check_end()
 
@@ -437,7 +442,7 @@ class Processor:
                 self.pending_ledger.append((origin, out.value))
                 sim.at(sim.between(sim.config.net_delay_ms), self.flush_one, out.value)
             elif out.topic == sim.topology.usage.name:
-                sim.at(sim.between(sim.config.net_delay_ms), sim.deliver_usage, out.value)
+                self.track(origin, [sim.at(sim.between(sim.config.net_delay_ms), sim.deliver_usage, out.value)])
             elif out.topic in sim.dispatch_topics:
                 sim.send(sim.deliver_dispatch, out.value, origin)
             else:
@@ -505,8 +510,6 @@ class Processor:
                 if deadline is not None and deadline <= sim.now_ms + self.clock_skew_ms:
                     sim.append_command(sim.reconcile_command(user, self.clock_skew_ms))
         sim.at(sim.config.timer_period_ms, self.timer_tick)
-
-
 
 
 # --- the edge and its clients ------------------------------------------------------------------

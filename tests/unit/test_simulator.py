@@ -43,6 +43,18 @@ def test_a_seeded_run_keeps_every_invariant(seed: int) -> None:
         assert needed in kinds, needed.__name__
 
 
+def test_the_final_reconcile_alone_settles_work_cut_off_mid_flight() -> None:
+    # No time to drain: whatever is queued or running when the run stops is settled by the one
+    # reconcile past every deadline (lease expiry fences, records usage, releases or keeps the message).
+    settled = 0
+    for seed in (11, 12, 13):
+        sim = simulate(seed, 3_000, SimConfig(drain_ms=0))
+        settled += sum(
+            1 for e in sim.ledger.values() if isinstance(e, ev.AttemptFenced) and e.command_id.startswith("reconcile:")
+        )
+    assert settled > 0
+
+
 def test_the_same_seed_replays_the_same_run() -> None:
     a, b = simulate(7, 5_000), simulate(7, 5_000)
     assert a.stats == b.stats
