@@ -469,6 +469,10 @@ def _record_usage(
     if usage_key(record.generation_id, record.epoch) in state.usage:
         return
     reservation = state.reservations.get(reservation_id(record.generation_id, record.epoch))
+    if reservation is not None:
+        window_start_ms = reservation.window_start_ms
+    else:  # the window was retired while the generation ran
+        window_start_ms = record.attempt.window_start_ms if record.attempt is not None else 0
     out.emit(
         ev.UsageRecorded,
         record.generation_id,
@@ -479,7 +483,7 @@ def _record_usage(
         outcome=outcome,
         model_version=record.model_version,
         tier=record.tier,
-        window_start_ms=reservation.window_start_ms if reservation else 0,
+        window_start_ms=window_start_ms,
     )
 
 

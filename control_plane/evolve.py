@@ -92,7 +92,7 @@ def _admitted(state: UserLedger, e: ev.GenerationAdmitted) -> UserLedger:
         fenced_epoch=previous.fenced_epoch if previous else 0,
         created_at_ms=previous.created_at_ms if previous else e.occurred_at_ms,
         updated_at_ms=e.occurred_at_ms,
-        attempt=Attempt(e.epoch, None, e.queue_deadline_ms, e.reconcile_deadline_ms),
+        attempt=Attempt(e.epoch, None, e.queue_deadline_ms, e.reconcile_deadline_ms, window_start_ms=e.window_start_ms),
         reply_to=e.reply_to,
     )
     state = replace(state, windows=_put_window(state, window), reservations=reservations, slots=slots)

@@ -88,6 +88,7 @@ class _History:
     fenced_epoch: int = 0
     terminal_event: str | None = None
     usage_epochs: set[int] = field(default_factory=set)
+    window_of_epoch: dict[int, int] = field(default_factory=dict)  # epoch -> window its reservation is in
 
 
 @dataclass
@@ -165,8 +166,12 @@ class InvariantMonitor:
                 bad(1, f"window {e.window_start_ms}: {spent[1]} reservations consumed > limit {spent[0]}")
         if isinstance(e, (ev.GenerationAdmitted, ev.AdmissionRejected)):
             if history is None:
-                self._history[e.generation_id] = _History(e.model_version)
+                history = self._history[e.generation_id] = _History(e.model_version)
+                if isinstance(e, ev.GenerationAdmitted):
+                    history.window_of_epoch[e.epoch] = e.window_start_ms
                 return found
+            if isinstance(e, ev.GenerationAdmitted):
+                history.window_of_epoch[e.epoch] = e.window_start_ms
             if history.model_version != e.model_version:
                 bad(9, f"{e.generation_id} re-resolved {history.model_version} -> {e.model_version}")
             if history.terminal_event is not None:
@@ -205,6 +210,9 @@ class InvariantMonitor:
                 if e.epoch in history.usage_epochs:
                     bad(8, f"usage of {e.generation_id} epoch {e.epoch} recorded twice")
                 history.usage_epochs.add(e.epoch)
+                charged = history.window_of_epoch.get(e.epoch)
+                if charged is not None and e.window_start_ms != charged:
+                    bad(8, f"usage of {e.generation_id} epoch {e.epoch} names window {e.window_start_ms}, not {charged}")
             case ev.GenerationCompleted() | ev.GenerationCancelled() | ev.GenerationFailed():
                 history.terminal_event = type(e).__name__
             case ev.DedupRecordPurged():

@@ -34,6 +34,9 @@ class Attempt:
     run_deadline_ms: int = 0
     cancel_reason: CancelReason | None = None  # cancel intent; not yet confirmed
     output_tokens_reported: int = 0
+    # The window this epoch's reservation is charged to; kept here because a long generation can
+    # outlive its window's retirement (which drops the reservation) and its usage still names it.
+    window_start_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)

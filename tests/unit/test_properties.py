@@ -406,3 +406,33 @@ def test_the_monitor_counts_a_window_across_its_retirement():
     assert decision.events[0].window_start_ms == T0
     violations = replay.observe_batch(decision.events)
     assert [v.invariant for v in violations] == [1], violations
+
+
+def test_usage_of_a_generation_that_outlives_its_window_still_names_that_window():
+    # Before the fix the window's retirement dropped the reservation, and the usage record of a
+    # generation still running across the boundary said window 0.
+    L = Ledger()
+    boundary = T0 + 3 * HOUR_MS
+    L.now_ms = boundary - 10_000
+    g = L.submit("a").outcome.generation_id
+    L.accept(g)
+    L.now_ms = boundary + 1_000
+    L.renew(g)
+    assert [type(e) for e in L.reconcile().events] == [ev.QuotaWindowRetired]
+    L.now_ms = boundary + 5_000
+    usage = [e for e in L.report(g).events if isinstance(e, ev.UsageRecorded)]
+    assert [u.window_start_ms for u in usage] == [T0]
+
+
+def test_the_monitor_flags_usage_that_names_another_window():
+    L = Ledger()
+    g = L.submit("a").outcome.generation_id
+    L.accept(g)
+    replay = InvariantMonitor(concurrency_limit=2)
+    assert replay.observe_batch(L.all_events) == []
+    wrong = ev.UsageRecorded(
+        event_id="x/0", command_id="x", user_id=L.user_id, generation_id=g, occurred_at_ms=L.now_ms, epoch=1,
+        input_tokens=1, output_tokens=1, terminal_reason="completed", outcome=FinishOutcome.COMPLETED,
+        model_version="smollm2-135m-instruct-q4_1", tier=Tier.FREE, window_start_ms=0,
+    )
+    assert [v.invariant for v in replay.observe_batch([wrong])] == [8]

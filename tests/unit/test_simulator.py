@@ -16,6 +16,7 @@ import pytest
 import control_plane.aggregate as aggregate_module
 from control_plane.decide import Decision, decide
 from control_plane.simulator import SimConfig, SimulationFailed, simulate
+from control_plane.state import reservation_id
 from schemas import commands as cmd
 from schemas import events as ev
 from schemas.messages import OutcomeKind
@@ -124,6 +125,21 @@ def test_the_core_before_the_retired_window_fix_is_caught(monkeypatch: pytest.Mo
     _broken(monkeypatch, decide_reopening_retired_windows)
     # Late submits land in a retired window only when a slow delivery straddles a boundary.
     _expect_failure(range(1, 11), 25_000, "invariant 1", config=SimConfig(net_slow_p=0.2))
+
+
+def test_the_core_before_the_usage_window_fix_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    def decide_losing_the_usage_window(state, command, policy):
+        decision = decide(state, command, policy)
+        events = tuple(
+            dataclasses.replace(e, window_start_ms=0)
+            if isinstance(e, ev.UsageRecorded) and reservation_id(e.generation_id, e.epoch) not in state.reservations
+            else e
+            for e in decision.events
+        )
+        return Decision(events, decision.outcome)
+
+    _broken(monkeypatch, decide_losing_the_usage_window)
+    _expect_failure(range(1, 4), 25_000, "invariant 8")
 
 
 def test_a_processor_without_its_command_memory_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
