@@ -42,7 +42,9 @@ log = logging.getLogger("chatplane.processor")
 # timer can rebuild its deadline index after a rebalance without decoding every aggregate.
 _DEADLINE = struct.Struct(">q")
 DEAD_LETTER_VALUE_BYTES_MAX = 4_096  # how much of an undecodable message the dead letter keeps
-REPLY_TIMEOUT_S = 30.0  # bound on waiting for the producer when the processor flushes on stop
+# ReconcileDue commands the timer appends per tick at most: a burst of due deadlines (after a
+# recovery, say) is spread over ticks instead of stalling the event loop and the agent.
+RECONCILE_COMMANDS_PER_TICK_MAX = 500
 
 
 def pack_value(aggregate: Aggregate, deadline_ms: int | None) -> bytes:
@@ -237,7 +239,8 @@ class AdmissionProcessor:
             self._rescan()
         now_ms = int(time.time() * 1000)
         due = [key for key, deadline in self._deadlines.items() if deadline <= now_ms]
-        for key in due:
+        due.sort(key=self._deadlines.__getitem__)
+        for key in due[:RECONCILE_COMMANDS_PER_TICK_MAX]:
             user_id = key.decode()
             command = ReconcileDue(
                 command_id=f"reconcile:{user_id}:{now_ms}:{self.settings.instance_id}",
