@@ -97,3 +97,13 @@ def test_every_state_field_is_covered_by_the_codec() -> None:
     ledger = UserLedger("u", open_windows_from_ms=123, last_event_ms=7)
     assert load_aggregate(dump_aggregate(Aggregate(ledger))).ledger == ledger
     assert {f.name for f in dataclasses.fields(RequestRecord)} >= {"attempt", "reply_to", "code"}
+
+
+def test_an_attempt_written_before_window_start_ms_existed_still_loads() -> None:
+    L = Ledger()
+    g = L.submit("k1").outcome.generation_id
+    doc = orjson.loads(dump_aggregate(L.aggregate))
+    record = next(iter(doc["ledger"]["requests"].values()))
+    assert record["attempt"]["window_start_ms"] == L.state.record_of(g).attempt.window_start_ms > 0
+    del record["attempt"]["window_start_ms"]
+    assert load_aggregate(orjson.dumps(doc)).ledger.record_of(g).attempt.window_start_ms == 0
