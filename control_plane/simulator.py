@@ -26,7 +26,8 @@ Checks, after every step: the ``InvariantMonitor`` over the ledger entries actua
 (de-duplicated by event id) and ``check_state`` on the processor's live state. After draining (every
 deadline passed and reconciled): no reservation RESERVED, no slot held, no active generation, the
 processor's state equals the fold of the ledger, every idempotency key named one generation within
-retention, no usage recorded twice, and no worker computed without a committed acceptance.
+retention, no usage recorded twice, no worker computed without a committed acceptance, and no two
+workers ever computed the same generation at once.
 
 A failure raises ``SimulationFailed("SIMULATOR FAILED seed=<n> step=<k>: <what>")``; rerun with
 ``python -m control_plane.simulator --seed <n> --steps <k>`` to reproduce it.
@@ -800,6 +801,10 @@ class Worker:
             if not mine:
                 self.release(key)
                 return
+            for other in sim.workers:
+                for (generation_id, epoch), held in other.runs.items():
+                    if generation_id == key[0] and held.phase == "running" and other is not self:
+                        sim.fail(f"{self.worker_id} starts {key[0]} epoch {key[1]} while {other.worker_id} runs epoch {epoch}")
             run.phase, run.lease_until_ms, run.last_renew_ms = "running", lease_until, self.clock()
             sim.started.append((key[0], key[1], self.worker_id))
             sim.stats.inferences_started += 1
