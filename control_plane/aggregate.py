@@ -22,8 +22,9 @@ from schemas.wire import encode, event_from_dict, message_from_dict
 
 # Decisions remembered per user. Redelivery only replays commands after the partition's last
 # committed offset, so this must exceed the commands one user issues within one commit interval
-# (1 s by default; the burst limit allows 20 requests, each a handful of commands).
-RECENT_DECISIONS_MAX = 32
+# (1 s by default): 16 is far above what one user issues in a second (the burst limit is 20
+# requests a minute, each a handful of commands).
+RECENT_DECISIONS_MAX = 16
 
 
 @dataclass(frozen=True, slots=True)
