@@ -48,6 +48,12 @@ class Remembered:
 class Aggregate:
     ledger: UserLedger
     recent: tuple[Remembered, ...] = field(default=())
+    # Offset (in the user's COMMANDS partition) of the last command applied. A redelivered command
+    # at or below it was applied already: it is answered from ``recent`` if still remembered and
+    # never decided again (a catch-up after a crash can replay more than RECENT_DECISIONS_MAX
+    # commands of one user, and re-deciding those against the newer state would reuse event ids
+    # with other content).
+    source_offset: int = -1
 
     @classmethod
     def empty(cls, user_id: str) -> Aggregate:
@@ -60,14 +66,23 @@ class Aggregate:
         return None
 
 
-def handle(aggregate: Aggregate, command: Command, policy: Policy) -> tuple[Aggregate, Decision, bool]:
-    """Apply one command. Returns the new aggregate, the decision, and whether it was a redelivery."""
+def handle(
+    aggregate: Aggregate, command: Command, policy: Policy, source_offset: int | None = None
+) -> tuple[Aggregate, Decision | None, bool]:
+    """Apply one command. Returns the new aggregate, the decision, and whether it was a redelivery.
+
+    The decision is ``None`` only for a redelivery (``source_offset`` at or below the last applied
+    one) whose decision is no longer remembered: it was applied and its outputs sent long ago.
+    """
     if command.user_id != aggregate.ledger.user_id:
         raise ValueError("command routed to another user's aggregate")
     seen = aggregate.remembered(command.command_id)
     if seen is not None:
         return aggregate, seen, True
+    if source_offset is not None and source_offset <= aggregate.source_offset:
+        return aggregate, None, True
     decision = decide(aggregate.ledger, command, policy)
     ledger = evolve_all(aggregate.ledger, decision.events)
     recent = (*aggregate.recent[-(RECENT_DECISIONS_MAX - 1) :], Remembered.of(command.command_id, decision))
-    return Aggregate(ledger, recent), decision, False
+    offset = aggregate.source_offset if source_offset is None else source_offset
+    return Aggregate(ledger, recent, offset), decision, False

@@ -23,7 +23,10 @@ _OPTIONS = orjson.OPT_NON_STR_KEYS
 def dump_aggregate(aggregate: Aggregate) -> bytes:
     # Remembered decisions are already JSON: embedded as fragments, never re-serialized.
     recent = [[r.command_id, orjson.Fragment(r.encoded)] for r in aggregate.recent]
-    return orjson.dumps({"v": STATE_CODEC_VERSION, "ledger": aggregate.ledger, "recent": recent}, option=_OPTIONS)
+    return orjson.dumps(
+        {"v": STATE_CODEC_VERSION, "ledger": aggregate.ledger, "recent": recent, "offset": aggregate.source_offset},
+        option=_OPTIONS,
+    )
 
 
 def load_aggregate(data: bytes) -> Aggregate:
@@ -31,7 +34,7 @@ def load_aggregate(data: bytes) -> Aggregate:
     if doc.get("v") != STATE_CODEC_VERSION:
         raise ValueError(f"unsupported state codec version {doc.get('v')!r}")
     recent = tuple(Remembered(command_id, orjson.dumps(d)) for command_id, d in doc["recent"])
-    return Aggregate(_ledger(doc["ledger"]), recent)
+    return Aggregate(_ledger(doc["ledger"]), recent, doc.get("offset", -1))
 
 
 def _reply_to(d: dict[str, Any] | None) -> ReplyTo | None:

@@ -69,6 +69,7 @@ def user_partition(user_id: bytes, partitions: int) -> int:
 class ProcessorStats:
     commands: int = 0
     redelivered: int = 0
+    redelivered_forgotten: int = 0
     dead_lettered: int = 0
     reconciles_appended: int = 0
 
@@ -180,12 +181,16 @@ class AdmissionProcessor:
             return
         try:
             before = self._aggregate(user_key, command.user_id)
-            after, decision, redelivered = handle(before, command, self.policy)
+            after, decision, redelivered = handle(before, command, self.policy, offset)
         except Exception as exc:  # noqa: BLE001 - a bug must not stop every user of the partition
             log.exception("processing %s failed", command.command_id)
             await self._dead_letter(partition, offset, key, value, f"processing error: {type(exc).__name__}")
             return
         self.stats.commands += 1
+        if decision is None:
+            # Applied before a crash and no longer remembered: nothing to decide or send again.
+            self.stats.redelivered_forgotten += 1
+            return
         if redelivered:
             self.stats.redelivered += 1
         else:

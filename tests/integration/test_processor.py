@@ -317,3 +317,42 @@ async def test_the_audit_reports_a_doubled_consume_and_an_over_limit_admission(k
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 1 and "forged/0" in proc.stdout and "AUDIT FAILED" in proc.stdout, proc.stdout
+
+
+async def test_a_backlog_caught_up_after_kill_9_is_decided_once_with_no_reused_event_ids(
+    kafka_bootstrap, topology, processor_factory
+):
+    """More commands per user than the decision memory holds are replayed after the crash."""
+    from aiokafka import AIOKafkaProducer
+
+    from bench.bench_processor import mixed_commands
+    from schemas.commands import ReplyTo
+
+    reply = ReplyTo(topic=topology.edge_inbox.name, partition=1, request_id="backlog")
+    commands = mixed_commands(4000, 60, reply, now_ms())
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=5)
+    await producer.start()
+    try:
+        for c in commands:
+            await producer.send(topology.commands.name, encode(c), key=c.user_id.encode())
+        await producer.flush()
+    finally:
+        await producer.stop()
+    p = processor_factory()
+    p.start()
+    want = {c.command_id for c in commands}
+    got: set[str] = set()
+    deadline = time.monotonic() + 120
+    killed = False
+    while not want <= got and time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+        messages = [decode_message(r[3]) for r in await read_topic(kafka_bootstrap, topology.edge_inbox) if r[0] == 1]
+        got = {m.command_id for m in messages if isinstance(m, Outcome)}
+        if not killed and len(got) > len(want) // 4:
+            p.kill9()  # mid catch-up
+            p.start()
+            killed = True
+    assert killed
+    assert want <= got, f"{len(want - got)} commands never decided"
+    report = await audit(kafka_bootstrap, topology)
+    assert report.ok, report.render()

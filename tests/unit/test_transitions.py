@@ -556,3 +556,35 @@ def test_cancel_racing_completion(first: str):
         assert d.events[-1].type == "GenerationCompleted"
         assert L.cancel(g).outcome.status is RequestStatus.COMPLETED
     assert L.state.slots == {} and L.window().used == 1
+
+
+def test_a_redelivery_beyond_the_decision_memory_is_never_decided_again():
+    """After a crash, a catch-up can replay more commands of one user than are remembered."""
+    from control_plane.aggregate import RECENT_DECISIONS_MAX
+
+    L = Ledger()
+    aggregate = L.aggregate
+    accept = None
+    g = None
+    for offset in range(RECENT_DECISIONS_MAX + 5):
+        if offset == 0:
+            command = L.submit_cmd("k1")
+        elif offset == 1:
+            command = accept = cmd_accept(L, g)
+        else:
+            command = L.submit_cmd("k1")  # same-key retries: in progress
+        aggregate, decision, redelivered = handle(aggregate, command, L.policy, offset)
+        assert not redelivered and decision is not None
+        if offset == 0:
+            g = decision.outcome.generation_id
+    assert aggregate.remembered(accept.command_id) is None, "the acceptance fell out of memory"
+    again, decision, redelivered = handle(aggregate, accept, L.policy, 1)
+    assert redelivered and decision is None and again == aggregate
+    # Without the offset it would be decided again against the newer state.
+    assert handle(aggregate, accept, L.policy)[1] is not None
+
+
+def cmd_accept(L: Ledger, generation_id: str):
+    from schemas.commands import AcceptAttempt
+
+    return AcceptAttempt(**L._base(generation_id=generation_id, epoch=1, worker_id="w1"))
