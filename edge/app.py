@@ -1,0 +1,168 @@
+"""The edge application: FastAPI app factory, its lifespan, and health, readiness and metrics.
+
+Where this sits (DESIGN section 3)::
+
+    client --HTTP/SSE--> edge --SubmitGeneration/CancelGeneration--> COMMANDS --> admission processor
+                          ^ <----------- EDGE_INBOX partition of this edge: Outcome, TextDelta,
+                          |              GenerationFinalized, PromptRequest (answered on WORKER_CONTROL)
+                          `--- CAPACITY (worker heartbeats -> queue-wait estimate)
+
+``create_app(settings)`` builds one ``Edge`` (settings, authenticator, buckets, stream hub, capacity
+view, command client) and starts its Kafka clients in the lifespan. ``python -m edge`` runs it under
+uvicorn with drain-on-SIGTERM (``edge.__main__``). Logs carry opaque ids only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from edge import errors
+from edge.auth import Authenticator
+from edge.capacity import CapacityReader, CapacityView
+from edge.deps import new_request_id
+from edge.metrics import EdgeMetrics
+from edge.ratelimit import TokenBuckets
+from edge.readmodel import ReadModel
+from edge.routes import generations
+from edge.settings import EdgeSettings
+from edge.streams import GenerationView, StreamHub
+from edge.tokens import input_token_counter
+from projections.client import CommandClient
+from schemas.wire import WIRE_CONTENT_MESSAGE_BYTES_MAX
+
+log = logging.getLogger("chatplane.edge")
+
+OPENAPI_TITLE = "chatplane edge"
+OPENAPI_VERSION = "1.0.0"
+
+
+class Edge:
+    """The process-wide parts the routes use (``request.app.state.edge``)."""
+
+    def __init__(self, settings: EdgeSettings) -> None:
+        self.settings = settings
+        self.metrics = EdgeMetrics()
+        self.auth = Authenticator(settings)
+        self.buckets = TokenBuckets.for_fleet(
+            settings.bucket_capacity_tokens,
+            settings.bucket_refill_interval_s,
+            settings.bucket_users_max,
+            settings.edge_replicas,
+            settings.users_sticky,
+        )
+        self.hub = StreamHub(settings, self.metrics)
+        self.capacity = CapacityView(settings.heartbeat_stale_ms, settings.generation_service_ms_estimate)
+        self.count_tokens = input_token_counter()
+        self.client: Any = None
+        self.ready = False
+        self._capacity_reader: CapacityReader | None = None
+        self._producer: AIOKafkaProducer | None = None
+        self.reader: ReadModel | None = ReadModel() if settings.read_model else None
+
+    async def start(self) -> None:
+        s = self.settings
+        self.client = CommandClient(
+            s.kafka_bootstrap, s.topology, s.inbox_partition, on_message=self.hub.on_message,
+            decision_timeout_s=s.decision_timeout_s,
+        )
+        await self.client.start()
+        self.hub.client = self.client
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=s.kafka_bootstrap, acks="all", linger_ms=0, max_request_size=WIRE_CONTENT_MESSAGE_BYTES_MAX + 4096
+        )
+        await self._producer.start()
+        self.hub.producer = self._producer
+        if s.capacity_check:
+            self._capacity_reader = CapacityReader(s.kafka_bootstrap, s.topology, self.capacity)
+            await self._capacity_reader.start()
+        self.ready = True
+        log.info("edge ready inbox_partition=%d", s.inbox_partition)
+
+    async def stop(self) -> None:
+        self.ready = False
+        await self.hub.flush_background()
+        if self._capacity_reader is not None:
+            await self._capacity_reader.stop()
+        if self._producer is not None:
+            await self._producer.stop()
+        if self.client is not None:
+            await self.client.stop()
+        if self.reader is not None:
+            await self.reader.close()
+
+    async def lookup(self, generation_id: str, user_id: str) -> GenerationView | None:
+        """The generation if ``user_id`` owns it: this edge's memory first, then the read model."""
+        view = self.hub.recent.get(generation_id)
+        if view is None and self.reader is not None:
+            view = await self.reader.lookup(generation_id, user_id)
+        if view is None or view.owner != user_id:
+            return None  # another user's id answers exactly like an unknown one
+        return view
+
+    async def result(self, generation_id: str, user_id: str) -> str | None:
+        """The retained text of a completed generation the caller owns; None once it has expired."""
+        text = self.hub.result_of(generation_id)
+        if text is None and self.reader is not None:
+            text = await self.reader.result(generation_id, user_id)
+        return text
+
+
+def create_app(settings: EdgeSettings | None = None) -> FastAPI:
+    edge = Edge(settings or EdgeSettings())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await edge.start()
+        try:
+            yield
+        finally:
+            await edge.stop()
+
+    app = FastAPI(
+        title=OPENAPI_TITLE,
+        version=OPENAPI_VERSION,
+        description="The HTTP/SSE edge of chatplane: submit, read and cancel generations.",
+        lifespan=lifespan,
+    )
+    app.state.edge = edge
+    app.include_router(generations.router)
+    app.add_exception_handler(errors.ApiError, errors.api_error_handler)
+    app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)
+    app.add_exception_handler(Exception, errors.unexpected_error_handler)
+
+    @app.middleware("http")
+    async def request_ids(request: Request, call_next: Any) -> Response:
+        request.state.request_id = new_request_id()
+        started = time.monotonic()
+        response: Response = await call_next(request)
+        response.headers.setdefault("X-Request-Id", request.state.request_id)
+        log.debug("request_id=%s status=%d ms=%.1f", request.state.request_id, response.status_code, (time.monotonic() - started) * 1000)
+        return response
+
+    @app.get("/healthz", include_in_schema=True, tags=["operations"], summary="Liveness")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["operations"], summary="Readiness: fails first when draining")
+    async def readyz() -> Response:
+        if not edge.ready or edge.hub.draining:
+            return JSONResponse({"status": "draining" if edge.hub.draining else "starting"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", tags=["operations"], summary="Prometheus metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(edge.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

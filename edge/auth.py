@@ -1,0 +1,100 @@
+"""Bearer-token authentication: a JWT gives the principal (``sub``) and its tier (``tier`` claim).
+
+Local use: HS256 with ``CHATPLANE_EDGE_JWT_SECRET`` (tokens from ``python -m edge.mint_token``).
+Production: RS256 verified against the keys of a JWKS file (``CHATPLANE_EDGE_JWKS_PATH``), chosen by
+the token's ``kid``. Issuer, audience and expiry are always checked. A failure of any kind is one
+``unauthorized`` answer; the reason is logged without the token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import jwt
+
+from edge.errors import ApiError
+from edge.settings import EdgeSettings
+from schemas.codes import RejectionCode, Tier
+
+log = logging.getLogger("chatplane.edge.auth")
+
+AUTH_HEADER_BYTES_MAX = 8 * 1024
+USER_ID_CHARS_MAX = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    user_id: str
+    tier: Tier
+
+
+class Authenticator:
+    def __init__(self, settings: EdgeSettings) -> None:
+        self.settings = settings
+        self.algorithm = settings.jwt_algorithm
+        self._keys: dict[str, object] = {}
+        if self.algorithm == "RS256":
+            if not settings.jwks_path:
+                raise ValueError("RS256 needs CHATPLANE_EDGE_JWKS_PATH")
+            with open(settings.jwks_path, encoding="utf-8") as f:
+                jwks = json.load(f)
+            for jwk in jwks.get("keys", []):
+                self._keys[jwk.get("kid", "")] = jwt.algorithms.RSAAlgorithm.from_jwk(json.dumps(jwk))
+        elif self.algorithm != "HS256":
+            raise ValueError(f"unsupported JWT algorithm {self.algorithm}")
+
+    def _key(self, token: str) -> object:
+        if self.algorithm == "HS256":
+            return self.settings.jwt_secret
+        kid = jwt.get_unverified_header(token).get("kid", "")
+        key = self._keys.get(kid)
+        if key is None:
+            raise jwt.InvalidKeyError("unknown kid")
+        return key
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        if not authorization or len(authorization) > AUTH_HEADER_BYTES_MAX:
+            raise ApiError(RejectionCode.UNAUTHORIZED)
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(RejectionCode.UNAUTHORIZED)
+        try:
+            claims = jwt.decode(
+                token.strip(),
+                self._key(token.strip()),
+                algorithms=[self.algorithm],
+                audience=self.settings.jwt_audience,
+                issuer=self.settings.jwt_issuer,
+                leeway=self.settings.jwt_leeway_s,
+                options={"require": ["sub", "exp", "iss", "aud"]},
+            )
+        except (jwt.PyJWTError, ValueError) as exc:
+            log.info("token rejected: %s", type(exc).__name__)
+            raise ApiError(RejectionCode.UNAUTHORIZED) from None
+        sub = claims.get("sub")
+        if not isinstance(sub, str) or not sub or len(sub) > USER_ID_CHARS_MAX:
+            raise ApiError(RejectionCode.UNAUTHORIZED)
+        try:
+            tier = Tier(claims.get("tier", Tier.FREE.value))
+        except ValueError:
+            raise ApiError(RejectionCode.UNAUTHORIZED) from None
+        return Principal(user_id=sub, tier=tier)
+
+
+def mint(settings: EdgeSettings, user_id: str, tier: Tier, ttl_s: int = 3600, private_key: str | None = None, kid: str = "") -> str:
+    """A token for local use (HS256 with the configured secret, or RS256 with ``private_key``)."""
+    now = int(time.time())
+    claims = {
+        "sub": user_id,
+        "tier": tier.value,
+        "iss": settings.jwt_issuer,
+        "aud": settings.jwt_audience,
+        "iat": now,
+        "exp": now + ttl_s,
+    }
+    if private_key is not None:
+        return jwt.encode(claims, private_key, algorithm="RS256", headers={"kid": kid})
+    return jwt.encode(claims, settings.jwt_secret, algorithm="HS256")

@@ -1,0 +1,55 @@
+"""Prometheus metrics of one edge process, served at ``/metrics``.
+
+Labels are closed vocabularies (decision codes, event kinds), never ids or content. Admissions are
+counted by code so ``quota_exhausted``, ``rate_limited``, ``concurrency_limited`` and
+``capacity_exhausted`` stay apart (seed section 11: a global 429 count hides the client's action).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class EdgeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.admissions = Counter(
+            "chatplane_edge_admissions", "Submit decisions by outcome code (admitted, existing or a rejection code).",
+            ["code"], registry=r,
+        )
+        self.decision_latency = Histogram(
+            "chatplane_edge_decision_seconds", "POST received -> typed decision (admission or refusal).",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.first_token = Histogram(
+            "chatplane_edge_time_to_first_text_token_seconds", "POST received -> first text delta forwarded.",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.queue_age = Histogram(
+            "chatplane_edge_queue_age_seconds", "Admission -> first text delta (queueing plus prefill).",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.active_streams = Gauge("chatplane_edge_active_streams", "Generations held by this edge.", registry=r)
+        self.buffered_bytes = Gauge("chatplane_edge_buffered_bytes", "Bytes waiting in stream buffers.", registry=r)
+        self.slow_consumer_cancels = Counter(
+            "chatplane_edge_slow_consumer_cancels", "Generations cancelled because their reader fell behind.",
+            ["limit"], registry=r,
+        )
+        self.disconnect_cancels = Counter(
+            "chatplane_edge_disconnect_cancels", "Generations cancelled after a client disconnect grace.", registry=r
+        )
+        self.deltas_dropped = Counter(
+            "chatplane_edge_deltas_dropped", "Text deltas dropped (stale epoch, duplicate, or no stream held).",
+            ["reason"], registry=r,
+        )
+        self.terminal_events = Counter(
+            "chatplane_edge_terminal_events", "Terminal events sent, by status.", ["status"], registry=r
+        )
+        self.prompt_requests = Counter(
+            "chatplane_edge_prompt_requests", "Prompt requests from workers, by whether the prompt was held.",
+            ["found"], registry=r,
+        )
+        self.draining = Gauge("chatplane_edge_draining", "1 while this edge drains.", registry=r)

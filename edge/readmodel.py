@@ -1,0 +1,87 @@
+"""Adapter from the edge to the Cassandra read model (``projections.queries.GenerationReader``).
+
+Data flow: ``GET /v1/generations/{id}`` and a same-key retry of a completed request ->
+``Edge.lookup``/``Edge.result`` -> this edge's memory of generations it admitted (fresh, exact) ->
+here -> ``generations_by_id`` / ``results_by_generation``. The owner check is done by the reader
+(``owner=``): another user's id answers ``None`` exactly like an unknown one. A Cassandra failure or
+a read past its deadline (``ReadModelUnavailable``) is answered as a typed 503 with Retry-After; the
+seed's table has no read-side code, and ``quota_service_unavailable``'s row (503, retryable, "retry
+later, no storm") is the closest fit. The connection is opened lazily (and re-tried at most every
+``READ_MODEL_REOPEN_INTERVAL_S``) so an edge starts and admits while Cassandra is still coming up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from edge.errors import ApiError
+from edge.streams import GenerationView
+from schemas.codes import RejectionCode, RequestStatus
+
+log = logging.getLogger("chatplane.edge.readmodel")
+
+READ_MODEL_REOPEN_INTERVAL_S = 5.0
+READ_MODEL_OPEN_TIMEOUT_S = 10.0
+
+
+class ReadModel:
+    def __init__(self) -> None:
+        self._reader: Any = None
+        self._opened_at_s = 0.0
+        self._lock = asyncio.Lock()
+
+    async def _get_reader(self) -> Any:
+        if self._reader is not None:
+            return self._reader
+        async with self._lock:
+            if self._reader is None and time.monotonic() - self._opened_at_s >= READ_MODEL_REOPEN_INTERVAL_S:
+                self._opened_at_s = time.monotonic()
+                try:
+                    from projections.queries import GenerationReader
+
+                    self._reader = await asyncio.wait_for(GenerationReader.open(), READ_MODEL_OPEN_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - any failure is "unavailable"; retried later
+                    log.warning("read model unavailable: %s", type(exc).__name__)
+        if self._reader is None:
+            raise _unavailable()
+        return self._reader
+
+    async def lookup(self, generation_id: str, owner: str) -> GenerationView | None:
+        from projections.queries import ReadModelUnavailable
+
+        reader = await self._get_reader()
+        try:
+            v = await reader.get(generation_id, owner=owner, include_result=False)
+        except ReadModelUnavailable:
+            raise _unavailable() from None
+        if v is None:
+            return None
+        return GenerationView(
+            v.generation_id, v.user_id, RequestStatus(v.status), v.model_version or "", v.input_tokens,
+            v.output_tokens, v.code, v.partial,
+        )
+
+    async def result(self, generation_id: str, owner: str) -> str | None:
+        """The retained text of a completed generation, or None when it has expired (410)."""
+        from projections.queries import ReadModelUnavailable, ResultState
+
+        reader = await self._get_reader()
+        try:
+            v = await reader.get(generation_id, owner=owner, include_result=True)
+        except ReadModelUnavailable:
+            raise _unavailable() from None
+        if v is None or v.result is not ResultState.AVAILABLE:
+            return None
+        return v.result_text
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            await self._reader.close()
+            self._reader = None
+
+
+def _unavailable() -> ApiError:
+    return ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE, retry_after_s=2)

@@ -1,0 +1,1 @@
+"""Routes of the edge, one module per resource."""

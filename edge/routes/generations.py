@@ -1,0 +1,337 @@
+"""``/v1/generations``: submit (stream or one JSON document), read, cancel.
+
+Where this sits: client --HTTP--> here --SubmitGeneration/CancelGeneration--> commands topic; the
+decision comes back on this edge's inbox (``CommandClient.decide``), and the generation's deltas and
+terminal event through ``edge.streams.StreamHub``. Every refusal is raised as ``ApiError`` and
+rendered by ``edge.errors`` (the one place codes become HTTP). Bounds are checked before any work,
+in this order: authentication, Idempotency-Key, drain/stream capacity, body bytes (counted while
+reading), JSON shape and roles, model, ``max_output_tokens``, input tokens, burst bucket; only then
+is a command appended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import replace
+from typing import Annotated, Any, Literal
+
+import orjson
+from fastapi import APIRouter, Path, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from edge.deps import CurrentPrincipal, IdempotencyKey
+from edge.errors import DRAINING_RETRY_AFTER_S, ApiError
+from edge.fingerprint import fingerprint
+from edge.streams import GenerationStream, GenerationView
+from projections.client import DecisionTimeout, TooManyPending
+from schemas.codes import REJECTIONS, RejectionCode, RequestStatus
+from schemas.commands import CancelGeneration, SubmitGeneration
+from schemas.messages import ChatMessage, Outcome, OutcomeKind, RejectionDetails
+
+router = APIRouter(prefix="/v1/generations", tags=["generations"])
+
+MESSAGE_CONTENT_CHARS_MAX = 256 * 1024
+GENERATION_ID_CHARS_MAX = 128
+# How often a non-streaming request checks whether its client is still connected.
+DISCONNECT_POLL_S = 1.0
+
+SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # A client cannot supply system or developer instructions: the orchestrator installs the
+    # model's trusted instructions itself.
+    role: Literal["user", "assistant"]
+    content: str = Field(min_length=1, max_length=MESSAGE_CONTENT_CHARS_MAX)
+
+
+class GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1, max_length=128, examples=["fast-text-model"])
+    messages: list[InputMessage] = Field(min_length=1, max_length=256)
+    stream: bool = False
+    max_output_tokens: int = Field(ge=1, le=4096)
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class OutputText(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class GenerationDocument(BaseModel):
+    id: str
+    status: str
+    model_version: str | None = None
+    output: list[OutputText] = []
+    usage: Usage | None = None
+    partial: bool | None = None
+    error: dict[str, Any] | None = None
+
+
+class CancelDocument(BaseModel):
+    id: str
+    status: str
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    retryable: bool
+    action: str
+    request_id: str
+    details: dict[str, Any]
+
+
+class ErrorDocument(BaseModel):
+    error: ErrorBody
+
+
+_ERRORS = {
+    status: {"model": ErrorDocument, "description": ", ".join(s.code.value for s in REJECTIONS.values() if s.http_status == status)}
+    for status in sorted({s.http_status for s in REJECTIONS.values()})
+}
+
+GenerationId = Annotated[str, Path(min_length=1, max_length=GENERATION_ID_CHARS_MAX)]
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def _read_body(request: Request, limit_bytes: int) -> bytes:
+    """The body, counted while it is read: an oversized body is refused, never buffered whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit() or int(declared) > limit_bytes:
+            raise ApiError(RejectionCode.INVALID_REQUEST, field="body", details=RejectionDetails(limit=limit_bytes))
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit_bytes:
+            raise ApiError(RejectionCode.INVALID_REQUEST, field="body", details=RejectionDetails(limit=limit_bytes))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(body: bytes) -> GenerationRequest:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise ApiError(RejectionCode.INVALID_REQUEST, field="body") from None
+    try:
+        return GenerationRequest.model_validate(doc)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise ApiError(RejectionCode.INVALID_REQUEST, field=where) from None
+
+
+def _document(view: GenerationView, text: str | None) -> dict[str, Any]:
+    doc: dict[str, Any] = {"id": view.generation_id, "status": view.status.value, "model_version": view.model_version}
+    doc["output"] = [{"type": "text", "text": text}] if text is not None else []
+    doc["usage"] = {"input_tokens": view.input_tokens, "output_tokens": view.output_tokens}
+    if view.status in (RequestStatus.CANCELLED, RequestStatus.FAILED):
+        doc["partial"] = view.partial
+    if view.code is not None:
+        spec = REJECTIONS[view.code]
+        doc["error"] = {"code": view.code.value, "action": spec.action.value, "retryable": spec.retryable}
+    return doc
+
+
+@router.post(
+    "",
+    summary="Submit a generation (SSE stream or one JSON document)",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": GenerationRequest.model_json_schema(ref_template="#/components/schemas/{model}")}},
+        }
+    },
+    responses={
+        200: {
+            "description": "stream=true: text/event-stream of generation.* events; stream=false: the generation document",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}, "application/json": {"schema": GenerationDocument.model_json_schema()}},
+        },
+        **_ERRORS,
+    },
+)
+async def submit(request: Request, principal: CurrentPrincipal, key: IdempotencyKey) -> Response:
+    edge = request.app.state.edge
+    received_s = time.monotonic()
+    settings = edge.settings
+    if edge.hub.draining or edge.hub.full():
+        raise ApiError(RejectionCode.CAPACITY_EXHAUSTED, retry_after_s=DRAINING_RETRY_AFTER_S)
+    body = await _read_body(request, settings.request_body_bytes_max)
+    req = _parse(body)
+    if req.messages[-1].role != "user":
+        raise ApiError(RejectionCode.INVALID_REQUEST, field=f"messages.{len(req.messages) - 1}.role")
+    model = settings.policy.models.get(req.model)
+    if model is None:
+        raise ApiError(RejectionCode.INVALID_REQUEST, field="model")
+    if principal.tier not in model.tiers:
+        raise ApiError(RejectionCode.MODEL_NOT_ALLOWED, field="model")
+    if req.max_output_tokens > settings.policy.max_output_tokens_max:
+        raise ApiError(
+            RejectionCode.INVALID_REQUEST,
+            field="max_output_tokens",
+            details=RejectionDetails(limit=settings.policy.max_output_tokens_max),
+        )
+    messages = tuple(ChatMessage(role=m.role, content=m.content) for m in req.messages)
+    input_tokens = edge.count_tokens(req.model, messages)
+    if input_tokens > settings.input_tokens_max:
+        raise ApiError(RejectionCode.INVALID_REQUEST, field="messages", details=RejectionDetails(limit=settings.input_tokens_max))
+    wait_s = edge.buckets.take(principal.user_id)
+    if wait_s > 0:
+        edge.metrics.admissions.labels(RejectionCode.RATE_LIMITED.value).inc()
+        raise ApiError(RejectionCode.RATE_LIMITED, details=RejectionDetails(retry_after_ms=int(wait_s * 1000)))
+    estimate_ms = edge.capacity.estimate_wait_ms(model.pool) if settings.capacity_check else 0
+    request_id = request.state.request_id
+    command = SubmitGeneration(
+        command_id=uuid.uuid4().hex,
+        user_id=principal.user_id,
+        issued_at_ms=_now_ms(),
+        idempotency_key=key,
+        fingerprint=fingerprint(settings.fingerprint_key, req.model, messages, req.max_output_tokens),
+        model_alias=req.model,
+        tier=principal.tier,
+        stream=req.stream,
+        max_output_tokens=req.max_output_tokens,
+        input_tokens=input_tokens,
+        estimated_queue_wait_ms=min(estimate_ms, 2**53),
+        reply_to=edge.client.reply_to(request_id),
+    )
+    try:
+        outcome: Outcome = await edge.client.decide(command, timeout_s=settings.decision_timeout_s)
+    except (DecisionTimeout, TooManyPending):
+        edge.metrics.admissions.labels(RejectionCode.QUOTA_SERVICE_UNAVAILABLE.value).inc()
+        raise ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE) from None
+    edge.metrics.decision_latency.observe(time.monotonic() - received_s)
+    label = outcome.code.value if outcome.code is not None else outcome.kind.value
+    edge.metrics.admissions.labels(label).inc()
+    if outcome.kind is OutcomeKind.REJECTED:
+        assert outcome.code is not None
+        extra = None
+        if outcome.code is RejectionCode.GENERATION_IN_PROGRESS:
+            extra = {"generation_id": outcome.generation_id, "status": outcome.status.value if outcome.status else None}
+        if outcome.code is RejectionCode.RESULT_UNAVAILABLE:
+            extra = {"generation_id": outcome.generation_id}
+        details = outcome.details
+        if outcome.code is RejectionCode.CONCURRENCY_LIMITED and details.limit is None:
+            # The core says when to retry; the limit itself is the shared policy's.
+            details = replace(details, limit=settings.policy.concurrency_limit)
+        raise ApiError(outcome.code, details, extra=extra)
+    if outcome.kind is OutcomeKind.EXISTING:
+        return await _existing(edge, principal.user_id, outcome)
+    assert outcome.kind is OutcomeKind.ADMITTED and outcome.generation_id is not None
+    stream = GenerationStream(
+        generation_id=outcome.generation_id,
+        user_id=principal.user_id,
+        tier=principal.tier,
+        epoch=outcome.epoch,
+        streaming=req.stream,
+        messages=messages,
+        input_tokens=input_tokens,
+        model_version=outcome.model_version or model.version,
+        received_s=received_s,
+        admitted_s=time.monotonic(),
+    )
+    edge.hub.hold(stream)
+    headers = {"X-Request-Id": request_id}
+    if req.stream:
+        return StreamingResponse(edge.hub.frames(stream), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    return await _collect(edge, request, stream, headers)
+
+
+async def _collect(edge: Any, request: Request, stream: GenerationStream, headers: dict[str, str]) -> Response:
+    """Non-streaming: the same pipeline into the bounded result buffer, answered as one document."""
+    deadline = time.monotonic() + edge.settings.generation_wait_s_max
+    try:
+        while not stream.done.is_set():
+            if time.monotonic() >= deadline:
+                raise ApiError(RejectionCode.GENERATION_TIMEOUT, extra={"generation_id": stream.generation_id})
+            await edge.hub.wait_done(stream, DISCONNECT_POLL_S)
+            if not stream.done.is_set() and await request.is_disconnected():
+                return Response(status_code=499)
+    finally:
+        edge.hub.release(stream)
+    f = stream.finalized
+    if f is None:  # drained past its deadline without a committed terminal state
+        raise ApiError(RejectionCode.GENERATION_TIMEOUT, extra={"generation_id": stream.generation_id})
+    status = stream.terminal_status or f.status
+    code = f.code if status is not RequestStatus.FAILED or f.code else RejectionCode.MODEL_BACKEND_ERROR
+    if f.status is RequestStatus.ADMISSION_RETRYABLE:
+        code = RejectionCode.CAPACITY_EXHAUSTED
+    view = GenerationView(
+        stream.generation_id, stream.user_id, status, stream.model_version, f.input_tokens, f.output_tokens, code, f.partial
+    )
+    text = "".join(stream.result_parts)
+    return JSONResponse(_document(view, text), headers={"Cache-Control": "no-store", **headers})
+
+
+async def _existing(edge: Any, user_id: str, outcome: Outcome) -> Response:
+    """A same-key retry of a settled generation: its state, and its result while retained."""
+    assert outcome.generation_id is not None and outcome.status is not None
+    view = await edge.lookup(outcome.generation_id, user_id)
+    if view is None:
+        view = GenerationView(outcome.generation_id, user_id, outcome.status, outcome.model_version or "", code=outcome.code)
+    view.status = outcome.status
+    text = None
+    if outcome.status is RequestStatus.COMPLETED:
+        text = await edge.result(outcome.generation_id, user_id)
+        if text is None:
+            raise ApiError(RejectionCode.RESULT_UNAVAILABLE, extra={"generation_id": outcome.generation_id})
+    return JSONResponse(_document(view, text), headers={"Cache-Control": "no-store"})
+
+
+@router.get(
+    "/{generation_id}",
+    summary="Read a generation's state (owner only)",
+    response_model=GenerationDocument,
+    responses=_ERRORS,
+)
+async def get_generation(request: Request, principal: CurrentPrincipal, generation_id: GenerationId) -> Response:
+    edge = request.app.state.edge
+    view = await edge.lookup(generation_id, principal.user_id)
+    if view is None:
+        raise ApiError(RejectionCode.NOT_FOUND)
+    text = await edge.result(generation_id, principal.user_id) if view.status is RequestStatus.COMPLETED else None
+    return JSONResponse(_document(view, text), headers={"Cache-Control": "no-store"})
+
+
+@router.post(
+    "/{generation_id}/cancel",
+    summary="Cancel a generation (idempotent; 202 while the worker stops)",
+    response_model=CancelDocument,
+    responses={202: {"model": CancelDocument, "description": "cancel_requested"}, **_ERRORS},
+)
+async def cancel_generation(request: Request, principal: CurrentPrincipal, generation_id: GenerationId) -> Response:
+    edge = request.app.state.edge
+    # The command goes to the principal's own ledger partition: another user's generation is simply
+    # not there, so the answer is the same 404 as for an id that never existed.
+    command = CancelGeneration(
+        command_id=uuid.uuid4().hex,
+        user_id=principal.user_id,
+        issued_at_ms=_now_ms(),
+        generation_id=generation_id,
+        reply_to=edge.client.reply_to(request.state.request_id),
+    )
+    try:
+        outcome: Outcome = await edge.client.decide(command, timeout_s=edge.settings.decision_timeout_s)
+    except (DecisionTimeout, TooManyPending):
+        raise ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE) from None
+    if outcome.kind is OutcomeKind.REJECTED:
+        raise ApiError(outcome.code or RejectionCode.NOT_FOUND)
+    if outcome.kind is OutcomeKind.CANCEL_REQUESTED:
+        return JSONResponse({"id": generation_id, "status": "cancel_requested"}, status_code=202)
+    status = outcome.status.value if outcome.status else RequestStatus.CANCELLED.value
+    return JSONResponse({"id": generation_id, "status": status})

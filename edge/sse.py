@@ -1,0 +1,71 @@
+"""Server-sent event framing of the application contract (seed section 4).
+
+One event is ``event: <name>\\ndata: <one JSON line>\\n\\n`` in UTF-8; a heartbeat is the comment
+``: keep-alive\\n\\n``. The JSON is produced by orjson (no raw newlines inside a data line), so one
+``data`` line per event is always a valid frame. Event names::
+
+    generation.created      {generation_id, sequence: 0, status}
+    generation.text.delta   {generation_id, sequence, index, delta}
+    generation.completed    {generation_id, sequence, usage: {input_tokens, output_tokens}}
+    generation.cancelled    {generation_id, sequence, partial, usage}
+    generation.error        {generation_id, sequence, code, action, partial}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from schemas.codes import REJECTIONS, RejectionCode, RequestStatus
+
+HEARTBEAT = b": keep-alive\n\n"
+
+CREATED = "generation.created"
+DELTA = "generation.text.delta"
+COMPLETED = "generation.completed"
+CANCELLED = "generation.cancelled"
+ERROR = "generation.error"
+TERMINAL_EVENTS = frozenset({COMPLETED, CANCELLED, ERROR})
+
+
+def frame(event: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def created(generation_id: str, status: str) -> bytes:
+    return frame(CREATED, {"generation_id": generation_id, "sequence": 0, "status": status})
+
+
+def delta(generation_id: str, sequence: int, index: int, text: str) -> bytes:
+    return frame(DELTA, {"generation_id": generation_id, "sequence": sequence, "index": index, "delta": text})
+
+
+def terminal(
+    generation_id: str,
+    sequence: int,
+    status: RequestStatus,
+    code: RejectionCode | None,
+    partial: bool,
+    input_tokens: int,
+    output_tokens: int,
+) -> bytes:
+    usage = {"input_tokens": input_tokens, "output_tokens": output_tokens}
+    if status is RequestStatus.COMPLETED:
+        return frame(COMPLETED, {"generation_id": generation_id, "sequence": sequence, "usage": usage})
+    if status is RequestStatus.CANCELLED:
+        return frame(
+            CANCELLED, {"generation_id": generation_id, "sequence": sequence, "partial": partial, "usage": usage}
+        )
+    error_code = code or RejectionCode.MODEL_BACKEND_ERROR
+    return frame(
+        ERROR,
+        {
+            "generation_id": generation_id,
+            "sequence": sequence,
+            "code": error_code.value,
+            "action": REJECTIONS[error_code].action.value,
+            "partial": partial,
+            "usage": usage,
+        },
+    )

@@ -1,0 +1,434 @@
+"""Generations held by this edge: bounded buffers between the inbox reader and the client sockets.
+
+Data flow::
+
+    edge inbox --(CommandClient reader)--> StreamHub.on_message
+        TextDelta            -> the stream of (generation_id, epoch): frame, buffer, wake the writer
+        GenerationFinalized  -> the terminal frame (the processor committed the transition)
+        PromptRequest        -> PromptPayload to the worker's control partition (content only here)
+    StreamHub.stream writer  --(SSE frames, heartbeats)--> the client socket (edge.routes)
+
+Bounds: each stream buffers at most ``stream_buffer_bytes_max`` of frames not yet written to its
+socket, and all streams together at most ``aggregate_buffer_bytes_max``. A delta that would pass
+either limit is not buffered: the stream is marked overflowed, further deltas are dropped, and its
+generation is cancelled with reason ``slow_consumer`` (counted). The inbox reader never waits for a
+socket, so one slow reader cannot slow the others. A reader that disconnects leaves its generation
+running for ``disconnect_grace_s``; then it is cancelled with reason ``client_disconnect``.
+The terminal frame is always delivered (it is small and bounded) and only after the processor's
+``GenerationFinalized``; deltas of an epoch other than the stream's current one are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+
+from edge import sse
+from edge.metrics import EdgeMetrics
+from edge.settings import EdgeSettings
+from schemas.codes import CancelReason, RejectionCode, RequestStatus, Tier
+from schemas.commands import CancelGeneration
+from schemas.messages import ChatMessage, GenerationFinalized, PromptPayload, PromptRequest, TextDelta
+from schemas.wire import encode
+
+log = logging.getLogger("chatplane.edge.streams")
+
+# Background sends (cancels, prompt payloads) in flight at once; beyond this they are dropped and
+# counted, and the processor's deadlines still settle the generation.
+BACKGROUND_SENDS_MAX = 10_000
+RESULT_CACHE_BYTES_MAX = 64 * 1024 * 1024
+# Messages for a generation this edge does not hold yet: the reader can see a worker's prompt request
+# or first delta before the submitting handler has registered the stream its decision admitted
+# (same inbox partition, next loop iteration). They are parked briefly, then dropped.
+EARLY_GENERATIONS_MAX = 10_000
+EARLY_MESSAGES_PER_GENERATION_MAX = 64
+EARLY_HOLD_S = 5.0
+
+
+@dataclass(slots=True)
+class GenerationStream:
+    generation_id: str
+    user_id: str
+    tier: Tier
+    epoch: int
+    streaming: bool
+    messages: tuple[ChatMessage, ...]
+    input_tokens: int
+    model_version: str
+    received_s: float
+    admitted_s: float
+    buffer: deque[bytes] = field(default_factory=deque)
+    buffered_bytes: int = 0
+    next_sequence: int = 1
+    last_worker_sequence: int = -1
+    overflowed: bool = False
+    reader_gone: bool = False
+    finalized: GenerationFinalized | None = None
+    terminal_status: RequestStatus | None = None
+    first_delta_seen: bool = False
+    closed: bool = False  # ended without a committed terminal state (drain past its deadline)
+    result_parts: list[str] = field(default_factory=list)
+    result_bytes: int = 0
+    result_truncated: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(slots=True)
+class GenerationView:
+    """What this edge knows of a generation it admitted (for GET when the read model is absent)."""
+
+    generation_id: str
+    owner: str
+    status: RequestStatus
+    model_version: str
+    input_tokens: int = 0
+    output_tokens: int = 0
+    code: RejectionCode | None = None
+    partial: bool = False
+
+
+class StreamHub:
+    def __init__(self, settings: EdgeSettings, metrics: EdgeMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.streams: dict[str, GenerationStream] = {}
+        self.aggregate_bytes = 0
+        self.draining = False
+        self.recent: OrderedDict[str, GenerationView] = OrderedDict()
+        self.results: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (text, expires monotonic s)
+        self.results_bytes = 0
+        self.client: Any = None  # projections.client.CommandClient, set by the app at start-up
+        self.producer: AIOKafkaProducer | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.background_dropped = 0
+        self.early: OrderedDict[str, tuple[float, list[Any]]] = OrderedDict()
+
+    # --- registration -------------------------------------------------------------------------
+
+    def full(self) -> bool:
+        return len(self.streams) >= self.settings.streams_max
+
+    def hold(self, stream: GenerationStream) -> None:
+        self.streams[stream.generation_id] = stream
+        self.metrics.active_streams.set(len(self.streams))
+        self.remember(
+            GenerationView(stream.generation_id, stream.user_id, RequestStatus.QUEUED, stream.model_version, stream.input_tokens)
+        )
+        self._push(stream, sse.created(stream.generation_id, RequestStatus.QUEUED.value), bounded=False)
+        parked = self.early.pop(stream.generation_id, None)
+        if parked is not None:
+            for message in parked[1]:
+                self.on_message(message)
+
+    def _park(self, generation_id: str, message: Any) -> bool:
+        """Keep a message for a generation not held (yet); False if it is known to be over."""
+        if generation_id in self.recent:
+            return False
+        now = time.monotonic()
+        while self.early and next(iter(self.early.values()))[0] < now:
+            self.early.popitem(last=False)
+        entry = self.early.get(generation_id)
+        if entry is None:
+            if len(self.early) >= EARLY_GENERATIONS_MAX:
+                self.early.popitem(last=False)
+            entry = (now + EARLY_HOLD_S, [])
+            self.early[generation_id] = entry
+        if len(entry[1]) < EARLY_MESSAGES_PER_GENERATION_MAX:
+            entry[1].append(message)
+        return True
+
+    def remember(self, view: GenerationView) -> None:
+        self.recent[view.generation_id] = view
+        self.recent.move_to_end(view.generation_id)
+        while len(self.recent) > self.settings.recent_generations_max:
+            self.recent.popitem(last=False)
+
+    def _drop(self, stream: GenerationStream) -> None:
+        if self.streams.get(stream.generation_id) is stream:
+            del self.streams[stream.generation_id]
+        self.aggregate_bytes -= stream.buffered_bytes
+        stream.buffered_bytes = 0
+        stream.buffer.clear()
+        self.metrics.active_streams.set(len(self.streams))
+        self.metrics.buffered_bytes.set(self.aggregate_bytes)
+
+    # --- inbox --------------------------------------------------------------------------------
+
+    def on_message(self, message: Any) -> None:
+        if isinstance(message, TextDelta):
+            self._on_delta(message)
+        elif isinstance(message, GenerationFinalized):
+            self._on_finalized(message)
+        elif isinstance(message, PromptRequest):
+            self._on_prompt_request(message)
+
+    def _on_delta(self, d: TextDelta) -> None:
+        stream = self.streams.get(d.generation_id)
+        if stream is None:
+            if not self._park(d.generation_id, d):
+                self.metrics.deltas_dropped.labels("no_stream").inc()
+            return
+        if d.epoch != stream.epoch:
+            self.metrics.deltas_dropped.labels("stale_epoch").inc()
+            return
+        if d.sequence <= stream.last_worker_sequence:
+            self.metrics.deltas_dropped.labels("duplicate").inc()
+            return
+        stream.last_worker_sequence = d.sequence
+        if stream.finalized is not None or stream.overflowed or stream.reader_gone:
+            self.metrics.deltas_dropped.labels("not_forwarded").inc()
+            return
+        if not stream.first_delta_seen:
+            stream.first_delta_seen = True
+            now = time.monotonic()
+            self.metrics.first_token.observe(now - stream.received_s)
+            self.metrics.queue_age.observe(now - stream.admitted_s)
+        self._collect(stream, d.text)
+        if stream.streaming:
+            frame = sse.delta(stream.generation_id, stream.next_sequence, d.index, d.text)
+            limit = self._over_limit(stream, len(frame))
+            if limit is not None:
+                self._slow_consumer(stream, limit)
+                return
+            stream.next_sequence += 1
+            self._push(stream, frame, bounded=True)
+
+    def _collect(self, stream: GenerationStream, text: str) -> None:
+        """The bounded result buffer (non-streaming answer, and the retained result of a stream)."""
+        if stream.result_truncated:
+            return
+        size = len(text.encode())
+        if stream.result_bytes + size > self.settings.result_bytes_max:
+            stream.result_truncated = True
+            if not stream.streaming:
+                self._slow_consumer(stream, "result_bytes")
+            return
+        stream.result_parts.append(text)
+        stream.result_bytes += size
+
+    def _over_limit(self, stream: GenerationStream, size: int) -> str | None:
+        if stream.buffered_bytes + size > self.settings.stream_buffer_bytes_max:
+            return "stream_bytes"
+        if self.aggregate_bytes + size > self.settings.aggregate_buffer_bytes_max:
+            return "aggregate_bytes"
+        return None
+
+    def _push(self, stream: GenerationStream, frame: bytes, bounded: bool) -> None:
+        stream.buffer.append(frame)
+        stream.buffered_bytes += len(frame)
+        self.aggregate_bytes += len(frame)
+        self.metrics.buffered_bytes.set(self.aggregate_bytes)
+        stream.wake.set()
+
+    def _slow_consumer(self, stream: GenerationStream, limit: str) -> None:
+        stream.overflowed = True
+        self.metrics.slow_consumer_cancels.labels(limit).inc()
+        log.info("slow consumer: cancelling generation_id=%s limit=%s", stream.generation_id, limit)
+        self.cancel(stream, CancelReason.SLOW_CONSUMER)
+
+    def _on_finalized(self, f: GenerationFinalized) -> None:
+        view = self.recent.get(f.generation_id)
+        if view is not None:
+            view.status, view.code, view.partial = f.status, f.code, f.partial
+            view.input_tokens, view.output_tokens = f.input_tokens, f.output_tokens
+        stream = self.streams.get(f.generation_id)
+        if stream is None:
+            if view is None:
+                self._park(f.generation_id, f)
+            return
+        if stream.finalized is not None:
+            return
+        if f.epoch != stream.epoch:
+            return
+        stream.finalized = f
+        status, code = f.status, f.code
+        if status is RequestStatus.ADMISSION_RETRYABLE:
+            # Declined before it started (no worker took it in time): retryable with the same key.
+            status, code = RequestStatus.FAILED, RejectionCode.CAPACITY_EXHAUSTED
+        stream.terminal_status = status
+        if status is RequestStatus.COMPLETED and not stream.result_truncated:
+            self._retain_result(stream)
+        self.metrics.terminal_events.labels(status.value).inc()
+        if stream.streaming:
+            frame = sse.terminal(
+                stream.generation_id, stream.next_sequence, status, code, f.partial, f.input_tokens, f.output_tokens
+            )
+            stream.next_sequence += 1
+            self._push(stream, frame, bounded=False)
+        stream.done.set()
+        stream.wake.set()
+        if stream.reader_gone:
+            self._drop(stream)
+
+    def _retain_result(self, stream: GenerationStream) -> None:
+        text = "".join(stream.result_parts)
+        size = len(text.encode())
+        expires = time.monotonic() + self.settings.policy.result_ttl_ms / 1000
+        self.results[stream.generation_id] = (text, expires)
+        self.results_bytes += size
+        while self.results_bytes > RESULT_CACHE_BYTES_MAX and self.results:
+            _, (old, _) = self.results.popitem(last=False)
+            self.results_bytes -= len(old.encode())
+
+    def result_of(self, generation_id: str) -> str | None:
+        item = self.results.get(generation_id)
+        if item is None:
+            return None
+        text, expires = item
+        if time.monotonic() >= expires:
+            return None
+        return text
+
+    def _on_prompt_request(self, r: PromptRequest) -> None:
+        stream = self.streams.get(r.generation_id)
+        if stream is None and self._park(r.generation_id, r):
+            return
+        found = stream is not None and stream.epoch == r.epoch and stream.finalized is None and not stream.overflowed
+        self.metrics.prompt_requests.labels(str(found).lower()).inc()
+        payload = PromptPayload(
+            generation_id=r.generation_id,
+            epoch=r.epoch,
+            worker_id=r.worker_id,
+            found=found,
+            messages=stream.messages if found and stream is not None else (),
+        )
+        self._background(self._send_payload(r, payload))
+
+    async def _send_payload(self, r: PromptRequest, payload: PromptPayload) -> None:
+        assert self.producer is not None
+        await self.producer.send_and_wait(
+            r.reply_to.topic, encode(payload), key=r.worker_id.encode(), partition=r.reply_to.partition
+        )
+
+    # --- control ------------------------------------------------------------------------------
+
+    def cancel(self, stream: GenerationStream, reason: CancelReason) -> None:
+        self._background(self.send_cancel(stream.user_id, stream.generation_id, reason))
+
+    async def send_cancel(self, user_id: str, generation_id: str, reason: CancelReason) -> None:
+        command = CancelGeneration(
+            command_id=uuid.uuid4().hex,
+            user_id=user_id,
+            issued_at_ms=int(time.time() * 1000),
+            generation_id=generation_id,
+            reason=reason,
+        )
+        await self.client.send(command)
+
+    def _background(self, coro: Any) -> None:
+        if len(self._tasks) >= BACKGROUND_SENDS_MAX:
+            coro.close()
+            self.background_dropped += 1
+            return
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
+
+    def release(self, stream: GenerationStream) -> None:
+        """The reader is gone (disconnect or response written). Cancel after the grace if still running."""
+        if stream.reader_gone:
+            return
+        stream.reader_gone = True
+        self.aggregate_bytes -= stream.buffered_bytes
+        stream.buffered_bytes = 0
+        stream.buffer.clear()
+        self.metrics.buffered_bytes.set(self.aggregate_bytes)
+        if stream.finalized is not None:
+            self._drop(stream)
+            return
+        self._background(self._after_grace(stream))
+
+    async def _after_grace(self, stream: GenerationStream) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stream.done.wait(), self.settings.disconnect_grace_s)
+        if stream.finalized is None:
+            self.metrics.disconnect_cancels.inc()
+            log.info("client gone: cancelling generation_id=%s", stream.generation_id)
+            await self.send_cancel(stream.user_id, stream.generation_id, CancelReason.CLIENT_DISCONNECT)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stream.done.wait(), self.settings.generation_wait_s_max)
+        self._drop(stream)
+
+    # --- writer -------------------------------------------------------------------------------
+
+    async def frames(self, stream: GenerationStream) -> AsyncIterator[bytes]:
+        """Frames for one SSE response: buffered events as they come, heartbeats while idle."""
+        deadline = time.monotonic() + self.settings.generation_wait_s_max
+        try:
+            while True:
+                while stream.buffer:
+                    frame = stream.buffer.popleft()
+                    stream.buffered_bytes -= len(frame)
+                    self.aggregate_bytes -= len(frame)
+                    yield frame
+                self.metrics.buffered_bytes.set(self.aggregate_bytes)
+                if stream.finalized is not None or stream.closed:
+                    return
+                stream.wake.clear()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    # Past every deadline the workers and processor enforce: end with EOF
+                    # (interrupted output) rather than hold the socket forever.
+                    self.cancel(stream, CancelReason.CLIENT_DISCONNECT)
+                    return
+                try:
+                    await asyncio.wait_for(stream.wake.wait(), min(self.settings.heartbeat_interval_s, remaining))
+                except TimeoutError:
+                    yield sse.HEARTBEAT
+        finally:
+            self.release(stream)
+
+    async def wait_done(self, stream: GenerationStream, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(stream.done.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    # --- drain --------------------------------------------------------------------------------
+
+    async def drain(self, deadline_s: float, cancel_wait_s: float) -> dict[str, int]:
+        """Refuse new streams, let held ones finish until the deadline, then cancel the rest."""
+        self.draining = True
+        self.metrics.draining.set(1)
+        end = time.monotonic() + deadline_s
+        while self.streams and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        remaining = [s for s in self.streams.values() if s.finalized is None]
+        for s in remaining:
+            self.cancel(s, CancelReason.DRAIN)
+        end = time.monotonic() + cancel_wait_s
+        while any(s.finalized is None for s in remaining) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        unresolved = [s for s in remaining if s.finalized is None]
+        for s in unresolved:
+            # No committed terminal state arrived in time: end the stream with EOF (interrupted).
+            s.closed = True
+            s.done.set()
+            s.wake.set()
+        # Give writers a moment to flush their terminal frames.
+        end = time.monotonic() + 1.0
+        while any(not s.reader_gone for s in self.streams.values()) and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        await self.flush_background()
+        return {"cancelled": len(remaining), "unresolved": len(unresolved)}
+
+    async def flush_background(self, timeout_s: float = 5.0) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("background send failed: %s", type(task.exception()).__name__)
