@@ -33,8 +33,14 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
             self.should_exit = True
             return
+        # A signal handler runs between bytecodes of the loop's thread, possibly while the loop
+        # sleeps in select(): schedule through the self-pipe so the loop wakes up at once.
         loop = asyncio.get_event_loop()
-        self._drain_task = loop.create_task(self._drain())
+        self._drain_task = loop.create_future()  # marks "drain started" until the task replaces it
+        loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.get_event_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
         edge = self.edge

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,6 +42,8 @@ EDGE_INBOX_PARTITION = 1
 FAKE_WORKER_INBOX_PARTITION = 7
 PROMPT_WAIT_S = 5.0
 HTTP_TIMEOUT_S = 30.0
+EDGE_START_TIMEOUT_S = 60.0
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def now_ms() -> int:
@@ -54,6 +60,8 @@ class FakeSimWorker:
     tokens: list[str] = field(default_factory=lambda: ["Hel", "lo", " wor", "ld"])
     token_interval_s: float = 0.05
     renew_every_tokens: int = 2
+    # Optional: the tokens to stream for a given prompt (by default ``tokens`` for every prompt).
+    tokens_for: Callable[[PromptPayload], list[str]] | None = None
     slots: int = 64
     prompts_seen: list[int] = field(default_factory=list)
     accepted: int = 0
@@ -140,7 +148,8 @@ class FakeSimWorker:
             return
         self.accepted += 1
         sent = 0
-        for i, text in enumerate(self.tokens):
+        tokens = self.tokens_for(payload) if self.tokens_for is not None else self.tokens
+        for i, text in enumerate(tokens):
             await asyncio.sleep(self.token_interval_s)
             delta = TextDelta(generation_id=d.generation_id, epoch=d.epoch, sequence=i, index=0, text=text)
             await self.producer.send_and_wait(d.stream_to.topic, encode(delta), partition=d.stream_to.partition)
@@ -211,6 +220,85 @@ async def serve_edge(settings: EdgeSettings) -> AsyncIterator[RunningEdge]:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, 30)
         sock.close()
+
+
+class EdgeProcess:
+    """``python -m edge`` as a subprocess on a free port (logs in ``log_dir``)."""
+
+    def __init__(self, bootstrap: str, topology: Topology, log_dir: Path, **env: Any) -> None:
+        self.bootstrap, self.topology, self.log_dir = bootstrap, topology, log_dir
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            "CHATPLANE_KAFKA_BOOTSTRAP": bootstrap,
+            "CHATPLANE_NAMESPACE": topology.namespace,
+            "CHATPLANE_EDGE_INBOX_PARTITION": str(EDGE_INBOX_PARTITION),
+            "CHATPLANE_EDGE_PORT": str(self.port),
+            "CHATPLANE_EDGE_CAPACITY_CHECK": "0",
+            "CHATPLANE_EDGE_READ_MODEL": "0",
+            "CHATPLANE_EDGE_DECISION_TIMEOUT_S": "10",
+            "PYTHONUNBUFFERED": "1",
+            **{k: str(v) for k, v in env.items()},
+        }
+        self.settings = EdgeSettings(kafka_bootstrap=bootstrap, topology=topology)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self) -> None:
+        log = open(self.log_dir / f"edge-{self.port}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "edge"], cwd=ROOT, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + EDGE_START_TIMEOUT_S
+        async with httpx.AsyncClient(base_url=self.url, timeout=2) as http:
+            while True:
+                assert self.proc.poll() is None, f"edge exited: {(self.log_dir / f'edge-{self.port}.log').read_text()[-2000:]}"
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get("/readyz")).status_code == 200:
+                        return
+                assert time.monotonic() < deadline, "edge did not become ready"
+                await asyncio.sleep(0.1)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    async def wait(self, timeout_s: float) -> int:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None:
+            assert time.monotonic() < deadline, "edge did not exit"
+            await asyncio.sleep(0.1)
+        return self.proc.returncode
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def headers(self, user: str, key: str | None = None, tier: Tier = Tier.FREE) -> dict[str, str]:
+        h = {"Authorization": f"Bearer {mint(self.settings, user, tier)}"}
+        if key is not None:
+            h["Idempotency-Key"] = key
+        return h
+
+    def http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=HTTP_TIMEOUT_S)
+
+
+@pytest.fixture
+def edge_process_factory(kafka_bootstrap, topology, tmp_path):
+    started: list[EdgeProcess] = []
+
+    def make(**env: Any) -> EdgeProcess:
+        p = EdgeProcess(kafka_bootstrap, topology, tmp_path, **env)
+        started.append(p)
+        return p
+
+    yield make
+    for p in started:
+        p.stop()
 
 
 @pytest.fixture
