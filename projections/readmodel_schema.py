@@ -1,0 +1,175 @@
+"""The Cassandra read models' schema, settings and connection, shared by their writers and readers.
+
+Data flow (DESIGN section 5)::
+
+    LEDGER --projections.readmodel--> generations_by_id      (status and usage by id, revision = offset)
+    worker --projections.results----> results_by_generation  (final text, USING TTL)
+    edge GET /v1/generations/{id} <--projections.queries-- both tables
+
+The CQL is created idempotently (``IF NOT EXISTS``) by ``ensure_schema``; the writers call it at
+start, so a fresh keyspace needs no separate migration step. Table names come from
+``schemas.topics`` (they are schema). Connecting (``open_session``) runs the driver's blocking
+``Cluster.connect`` on a thread, bounded by ``CONNECT_TIMEOUT_S``, so it never blocks the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from projections.cassandra_io import execute
+from schemas.topics import GENERATIONS_TABLE, KEYSPACE, RESULTS_TABLE
+
+CQL_PROTOCOL_VERSION = 5  # Cassandra 4.0+; skips the driver's downgrade round trips
+CONNECT_TIMEOUT_S = 30.0  # one attempt to reach a contact point and open a session
+DDL_TIMEOUT_S = 60.0  # schema statements wait for agreement, slower than reads
+RECONNECT_DELAY_S = 1.0  # the driver retries a down node this often (constant, so a restart is seen fast)
+DRIVER_CONNECT_TIMEOUT_S = 5.0  # the driver's own per-connection timeout
+
+# Default retention of the two tables (docs/retention.md). The metadata outlives the content.
+RESULT_TTL_S_DEFAULT = 3600  # 1 h, as the processor's Policy.result_ttl_ms
+GENERATION_METADATA_TTL_S_DEFAULT = 30 * 24 * 3600  # 30 days: longer than the 24 h dedup retention
+READ_DEADLINE_S_DEFAULT = 1.0  # one GET's whole budget against Cassandra
+
+_IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,47}$")
+
+# Every column the projection writes. ``revision`` is the ledger offset the row reflects; cells are
+# written USING TIMESTAMP <revision> so last-write-wins resolves by ledger position (readmodel.py).
+GENERATION_COLUMNS: dict[str, str] = {
+    "user_id": "text",
+    "status": "text",
+    "model_alias": "text",
+    "model_version": "text",
+    "pool": "text",
+    "tier": "text",
+    "stream": "boolean",
+    "epoch": "int",
+    "max_output_tokens": "int",
+    "input_tokens": "int",
+    "output_tokens": "int",
+    "usage_epoch": "int",
+    "terminal_reason": "text",
+    "finish_reason": "text",
+    "code": "text",
+    "partial": "boolean",
+    "cancel_requested": "boolean",
+    "cancel_reason": "text",
+    "window_start_ms": "bigint",
+    "window_end_ms": "bigint",
+    "created_at_ms": "bigint",
+    "accepted_at_ms": "bigint",
+    "finished_at_ms": "bigint",
+    "updated_at_ms": "bigint",
+    "result_expires_at_ms": "bigint",
+    "ledger_partition": "int",
+    "revision": "bigint",
+}
+
+
+def generations_ddl(keyspace: str) -> str:
+    cols = ",\n    ".join(f"{name} {kind}" for name, kind in GENERATION_COLUMNS.items())
+    return (
+        f"CREATE TABLE IF NOT EXISTS {keyspace}.{GENERATIONS_TABLE} (\n"
+        f"    generation_id text PRIMARY KEY,\n    {cols}\n)"
+    )
+
+
+def results_ddl(keyspace: str) -> str:
+    # Keyed by (generation, epoch): a fenced attempt that wrote its text before it learnt it was
+    # fenced cannot shadow the text of the epoch that completed; readers ask for that epoch.
+    return (
+        f"CREATE TABLE IF NOT EXISTS {keyspace}.{RESULTS_TABLE} (\n"
+        "    generation_id text,\n    epoch int,\n    text text,\n    input_tokens int,\n"
+        "    output_tokens int,\n    stored_at_ms bigint,\n    expires_at_ms bigint,\n"
+        "    PRIMARY KEY ((generation_id), epoch)\n"
+        ") WITH CLUSTERING ORDER BY (epoch DESC)\n"
+        "  AND gc_grace_seconds = 3600"
+    )
+
+
+def keyspace_ddl(keyspace: str, replication_factor: int) -> str:
+    return (
+        f"CREATE KEYSPACE IF NOT EXISTS {keyspace} WITH replication = "
+        f"{{'class': 'SimpleStrategy', 'replication_factor': {int(replication_factor)}}}"
+    )
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return default if raw in (None, "") else int(raw)
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return default if raw in (None, "") else float(raw)
+
+
+@dataclass(frozen=True)
+class ReadModelSettings:
+    """Where the read models live and how long they keep things; every field has a ``CHATPLANE_*`` variable."""
+
+    hosts: tuple[str, ...] = field(
+        default_factory=lambda: tuple(
+            h.strip() for h in os.environ.get("CHATPLANE_CASSANDRA_HOSTS", "127.0.0.1").split(",") if h.strip()
+        )
+    )
+    port: int = field(default_factory=lambda: _env_int("CHATPLANE_CASSANDRA_PORT", 9042))
+    keyspace: str = field(default_factory=lambda: os.environ.get("CHATPLANE_CASSANDRA_KEYSPACE", KEYSPACE))
+    replication_factor: int = field(default_factory=lambda: _env_int("CHATPLANE_CASSANDRA_RF", 1))
+    result_ttl_s: int = field(default_factory=lambda: _env_int("CHATPLANE_RESULT_TTL_S", RESULT_TTL_S_DEFAULT))
+    metadata_ttl_s: int = field(
+        default_factory=lambda: _env_int("CHATPLANE_GENERATION_METADATA_TTL_S", GENERATION_METADATA_TTL_S_DEFAULT)
+    )
+    read_deadline_s: float = field(
+        default_factory=lambda: _env_float("CHATPLANE_READ_DEADLINE_S", READ_DEADLINE_S_DEFAULT)
+    )
+
+    def __post_init__(self) -> None:
+        if not _IDENT.match(self.keyspace):
+            raise ValueError(f"keyspace {self.keyspace!r} is not a plain CQL identifier")
+        if self.result_ttl_s <= 0 or self.metadata_ttl_s <= self.result_ttl_s:
+            raise ValueError("need 0 < result_ttl_s < metadata_ttl_s (the metadata outlives the content)")
+
+
+def _connect_blocking(settings: ReadModelSettings) -> tuple[Any, Any]:
+    from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
+    from cassandra.policies import ConstantReconnectionPolicy, RoundRobinPolicy
+
+    cluster = Cluster(
+        contact_points=list(settings.hosts),
+        port=settings.port,
+        protocol_version=CQL_PROTOCOL_VERSION,
+        connect_timeout=DRIVER_CONNECT_TIMEOUT_S,
+        reconnection_policy=ConstantReconnectionPolicy(RECONNECT_DELAY_S, max_attempts=None),
+        execution_profiles={EXEC_PROFILE_DEFAULT: ExecutionProfile(load_balancing_policy=RoundRobinPolicy())},
+    )
+    try:
+        return cluster, cluster.connect()
+    except BaseException:
+        cluster.shutdown()
+        raise
+
+
+async def open_session(settings: ReadModelSettings) -> tuple[Any, Any]:
+    """Connect off the loop; returns ``(cluster, session)``. Call ``close_cluster(cluster)`` when done."""
+    return await asyncio.wait_for(asyncio.to_thread(_connect_blocking, settings), CONNECT_TIMEOUT_S)
+
+
+async def close_cluster(cluster: Any) -> None:
+    await asyncio.to_thread(cluster.shutdown)
+
+
+async def prepare(session: Any, cql: str) -> Any:
+    """Prepare off the loop (the driver's ``prepare`` blocks); the driver re-prepares after a restart."""
+    return await asyncio.wait_for(asyncio.to_thread(session.prepare, cql), DDL_TIMEOUT_S)
+
+
+async def ensure_schema(session: Any, settings: ReadModelSettings, *, create_keyspace: bool = True) -> None:
+    """Create the keyspace (unless told not to) and both tables if missing; safe to run any number of times."""
+    if create_keyspace:
+        await execute(session, keyspace_ddl(settings.keyspace, settings.replication_factor), timeout_s=DDL_TIMEOUT_S)
+    await execute(session, generations_ddl(settings.keyspace), timeout_s=DDL_TIMEOUT_S)
+    await execute(session, results_ddl(settings.keyspace), timeout_s=DDL_TIMEOUT_S)
