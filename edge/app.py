@@ -118,6 +118,13 @@ class Edge:
         return text
 
 
+def _cache_openapi(app: FastAPI) -> dict[str, Any]:
+    from edge.openapi import build
+
+    app.openapi_schema = build(app)
+    return app.openapi_schema
+
+
 def create_app(settings: EdgeSettings | None = None) -> FastAPI:
     edge = Edge(settings or EdgeSettings())
 
@@ -136,6 +143,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.edge = edge
+    app.openapi = lambda: app.openapi_schema or _cache_openapi(app)  # type: ignore[method-assign]
     app.include_router(generations.router)
     app.add_exception_handler(errors.ApiError, errors.api_error_handler)
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)

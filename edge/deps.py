@@ -22,7 +22,8 @@ def edge_state(request: Request):  # -> edge.app.Edge (not imported: avoids a cy
     return request.app.state.edge
 
 
-def principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
+def principal(request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> Principal:
+    """The bearer token's principal (declared in the spec as the ``bearer`` security scheme)."""
     return request.app.state.edge.auth.authenticate(authorization)
 
 

@@ -151,12 +151,6 @@ def _document(view: GenerationView, text: str | None) -> dict[str, Any]:
 @router.post(
     "",
     summary="Submit a generation (SSE stream or one JSON document)",
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": GenerationRequest.model_json_schema(ref_template="#/components/schemas/{model}")}},
-        }
-    },
     responses={
         200: {
             "description": "stream=true: text/event-stream of generation.* events; stream=false: the generation document",

@@ -334,3 +334,16 @@ def test_capacity_estimate_refuses_without_live_workers():
     assert view.estimate_wait_ms("default", now_ms=2_000) == 0
     assert view.estimate_wait_ms("default", now_ms=20_000) == NO_CAPACITY_WAIT_MS  # all stale
     assert view.estimate_wait_ms("other-pool", now_ms=2_000) == NO_CAPACITY_WAIT_MS
+
+
+def test_committed_openapi_document_is_current_and_served():
+    from edge.openapi import DOC_PATH, render
+
+    app = create_app(EdgeSettings(read_model=False, capacity_check=False))
+    assert DOC_PATH.read_text(encoding="utf-8") == render(app), "run: python -m edge.openapi"
+    spec = app.openapi()
+    post = spec["paths"]["/v1/generations"]["post"]
+    assert post["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/GenerationRequest"}
+    assert {"400", "401", "409", "429", "503"} <= set(post["responses"]) and "422" not in post["responses"]
+    roles = spec["components"]["schemas"]["InputMessage"]["properties"]["role"]
+    assert set(roles["enum"]) == {"user", "assistant"}

@@ -1,0 +1,66 @@
+"""The edge's OpenAPI document, served at ``/openapi.json`` and kept in ``docs/openapi.json``.
+
+``python -m edge.openapi`` rewrites ``docs/openapi.json``; a unit test fails when the committed file
+differs from what the app serves. FastAPI's generated document is adjusted in one place here: the
+request body is a named component (the route reads the body itself, to count bytes while reading),
+bearer authentication is a security scheme, ``Idempotency-Key`` is a required header, and FastAPI's
+default 422 answers are removed (the edge answers every validation failure as a typed 400).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "openapi.json"
+_REF = "#/components/schemas/{model}"
+
+
+def build(app: FastAPI) -> dict[str, Any]:
+    from edge.routes.generations import GenerationDocument, GenerationRequest
+
+    spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+    for model in (GenerationRequest, GenerationDocument):
+        doc = model.model_json_schema(ref_template=_REF)
+        schemas.update(doc.pop("$defs", {}))
+        schemas[model.__name__] = doc
+    schemas.pop("HTTPValidationError", None)
+    schemas.pop("ValidationError", None)
+    spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"}}
+    for path, ops in spec["paths"].items():
+        for op in ops.values():
+            op.get("responses", {}).pop("422", None)
+            if path.startswith("/v1/"):
+                op["security"] = [{"bearer": []}]
+                op["responses"].setdefault("401", {"description": "unauthorized", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorDocument"}}}})
+            for param in op.get("parameters", []):
+                if param["name"] == "Idempotency-Key":
+                    param["required"] = True
+                    param["schema"] = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"}
+                    param["description"] = "Client-chosen key of one logical request (printable ASCII)."
+    post = spec["paths"]["/v1/generations"]["post"]
+    post["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/GenerationRequest"}}}}
+    post["responses"]["200"]["content"]["application/json"] = {"schema": {"$ref": "#/components/schemas/GenerationDocument"}}
+    return spec
+
+
+def render(app: FastAPI) -> str:
+    return json.dumps(build(app), indent=2, sort_keys=True) + "\n"
+
+
+def main() -> None:
+    from edge.app import create_app
+    from edge.settings import EdgeSettings
+
+    DOC_PATH.write_text(render(create_app(EdgeSettings(read_model=False, capacity_check=False))), encoding="utf-8")
+    print(f"wrote {DOC_PATH}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
