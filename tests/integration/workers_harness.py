@@ -1,0 +1,197 @@
+"""Harness for the worker tests: a ``TestEdge`` standing in for the edge on one inbox partition, and
+helpers to run a ``workers.Worker`` in-process or ``python -m workers`` as a subprocess.
+
+``TestEdge`` is what the edge does for a worker, and nothing more: it submits through the real
+processor, keeps each generation's messages, answers ``PromptRequest`` with ``PromptPayload`` on the
+worker's control partition (optionally held back until the test releases it), and records every
+``TextDelta`` and ``GenerationFinalized`` that arrives on its partition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+
+from projections.audit import read_topic
+from projections.client import CommandClient
+from schemas import commands as cmd
+from schemas.codes import Tier
+from schemas.messages import ChatMessage, GenerationFinalized, PromptPayload, PromptRequest, TextDelta
+from schemas.topics import Topology
+from schemas.wire import decode_ledger_entry, encode
+from workers.registry import default_registry
+from workers.settings import WorkerSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 30.0
+EDGE_DECISION_TIMEOUT_S = 15.0
+PROMPT_PARK_S = 1.5
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class TestEdge:
+    __test__ = False
+
+    def __init__(self, bootstrap: str, topology: Topology, partition: int = 0) -> None:
+        self.bootstrap, self.topology = bootstrap, topology
+        self.client = CommandClient(bootstrap, topology, partition, on_message=self._on_message,
+                                    decision_timeout_s=EDGE_DECISION_TIMEOUT_S)
+        self.messages: dict[str, tuple[ChatMessage, ...]] = {}
+        self.hold: dict[str, asyncio.Event] = {}  # generation -> released when the payload may go
+        self.deltas: dict[str, list[TextDelta]] = defaultdict(list)
+        self.first_delta_at: dict[str, float] = {}
+        self.finalized: dict[str, GenerationFinalized] = {}
+        self.prompt_requests: dict[str, int] = defaultdict(int)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._changed = asyncio.Event()
+
+    async def __aenter__(self) -> TestEdge:
+        await self.client.start()
+        self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=0)
+        await self.producer.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.producer.stop()
+        await self.client.stop()
+
+    def _on_message(self, message: Any) -> None:
+        if isinstance(message, TextDelta):
+            self.first_delta_at.setdefault(message.generation_id, time.monotonic())
+            self.deltas[message.generation_id].append(message)
+        elif isinstance(message, GenerationFinalized):
+            self.finalized[message.generation_id] = message
+        elif isinstance(message, PromptRequest):
+            self.prompt_requests[message.generation_id] += 1
+            task = asyncio.create_task(self._answer(message))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self._changed.set()
+
+    async def _answer(self, r: PromptRequest) -> None:
+        # The dispatch can overtake the submit's decision: wait (bounded) until submit() stored the messages.
+        deadline = time.monotonic() + PROMPT_PARK_S
+        while r.generation_id not in self.messages and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        hold = self.hold.get(r.generation_id)
+        if hold is not None:
+            await hold.wait()
+        found = r.generation_id in self.messages
+        payload = PromptPayload(generation_id=r.generation_id, epoch=r.epoch, worker_id=r.worker_id, found=found,
+                                messages=self.messages.get(r.generation_id, ()))
+        await self.producer.send_and_wait(r.reply_to.topic, encode(payload), partition=r.reply_to.partition)
+
+    async def submit(self, user: str, text: str = "Name three colors.", max_output_tokens: int = 64,
+                     tier: Tier = Tier.FREE, hold: bool = False) -> str:
+        command = cmd.SubmitGeneration(
+            command_id=uuid.uuid4().hex, user_id=user, issued_at_ms=now_ms(), idempotency_key=uuid.uuid4().hex,
+            fingerprint="fp-" + uuid.uuid4().hex[:12], model_alias="fast-text-model", tier=tier, stream=True,
+            max_output_tokens=max_output_tokens, input_tokens=10, reply_to=self.client.reply_to(),
+        )
+        # The edge keeps the messages before the decision can arrive (the dispatch may race it).
+        outcome = await self.client.decide(command)
+        assert outcome.generation_id is not None, outcome
+        gid = outcome.generation_id
+        if hold:
+            self.hold[gid] = asyncio.Event()
+        self.messages[gid] = (ChatMessage("user", text),)
+        return gid
+
+    async def cancel(self, user: str, gid: str) -> Any:
+        return await self.client.decide(cmd.CancelGeneration(
+            command_id=uuid.uuid4().hex, user_id=user, issued_at_ms=now_ms(), generation_id=gid,
+            reply_to=self.client.reply_to()))
+
+    async def wait_for(self, predicate: Any, timeout_s: float = WAIT_S, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"timed out waiting for {what}"
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.2))
+            except TimeoutError:
+                pass
+
+    async def wait_finalized(self, gid: str, timeout_s: float = WAIT_S) -> GenerationFinalized:
+        await self.wait_for(lambda: gid in self.finalized, timeout_s, f"GenerationFinalized of {gid}")
+        return self.finalized[gid]
+
+    def text(self, gid: str) -> str:
+        return "".join(d.text for d in self.deltas[gid])
+
+
+def worker_settings(bootstrap: str, topology: Topology, **over: Any) -> WorkerSettings:
+    base: dict[str, Any] = dict(
+        kafka_bootstrap=bootstrap, topology=topology, worker_id=f"w-{uuid.uuid4().hex[:8]}", pool="default",
+        model_alias="fast-text-model", heartbeat_interval_s=0.5, renew_interval_s=0.5, session_timeout_ms=6000,
+    )
+    base.update(over)
+    return WorkerSettings(**base)
+
+
+def served(engine: str):
+    import dataclasses
+
+    return dataclasses.replace(default_registry().get("fast-text-model"), engine=engine)
+
+
+async def ledger_events(bootstrap: str, topology: Topology, generation_id: str | None = None) -> list[Any]:
+    entries = [decode_ledger_entry(r[3]) for r in await read_topic(bootstrap, topology.ledger)]
+    events = [e for entry in entries for e in entry.events]
+    return [e for e in events if generation_id is None or getattr(e, "generation_id", None) == generation_id]
+
+
+class WorkerProcess:
+    """``python -m workers --engine ...`` as a subprocess (logs in ``log_dir``)."""
+
+    def __init__(self, bootstrap: str, topology: Topology, log_dir: Path, engine: str = "sim", **env: Any) -> None:
+        self.worker_id = f"wp-{uuid.uuid4().hex[:8]}"
+        self.log_path = log_dir / f"worker-{self.worker_id}.log"
+        self.engine = engine
+        self.env = {
+            "CHATPLANE_KAFKA_BOOTSTRAP": bootstrap, "CHATPLANE_NAMESPACE": topology.namespace,
+            "CHATPLANE_WORKER_ID": self.worker_id, "CHATPLANE_WORKER_RENEW_INTERVAL_S": "0.5",
+            "CHATPLANE_WORKER_HEARTBEAT_INTERVAL_S": "0.5", "CHATPLANE_WORKER_SESSION_TIMEOUT_MS": "6000",
+            "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in env.items()},
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", "workers", "--engine", self.engine], cwd=ROOT,
+                                     env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]

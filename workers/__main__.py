@@ -1,0 +1,75 @@
+"""``python -m workers --engine cpu|sim|sglang``: one inference worker process (settings from the env).
+
+Where it sits: reads ``dispatch.<pool>.{paid,free}`` and its worker-control partition, writes commands,
+deltas to edge inboxes and heartbeats to ``capacity`` (see ``workers.worker``). SIGTERM/SIGINT drain
+running attempts (bounded by ``DRAIN_TIMEOUT_S``) and exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+
+import orjson
+
+from workers.engines.base import Engine
+from workers.registry import RegisteredModel, default_registry
+from workers.settings import WorkerSettings
+from workers.worker import Worker
+
+
+def build_engine(name: str, model: RegisteredModel) -> Engine:
+    if name == "sim":
+        from workers.engines.sim import SimConfig, SimulatedEngine
+
+        return SimulatedEngine(SimConfig.from_env())
+    if name == "cpu":
+        from workers.engines.cpu import CpuEngine
+
+        return CpuEngine(model.weights_path)
+    if name == "sglang":
+        from workers.engines.sglang import SGLangEngine
+
+        args = orjson.loads(os.environ.get("CHATPLANE_SGLANG_ENGINE_ARGS", "{}"))
+        if os.environ.get("CHATPLANE_SGLANG_MODEL_PATH"):
+            args.setdefault("model_path", os.environ["CHATPLANE_SGLANG_MODEL_PATH"])
+        return SGLangEngine(args)
+    raise SystemExit(f"unknown engine {name!r}: cpu, sim or sglang")
+
+
+def served_model(settings: WorkerSettings, engine: str) -> RegisteredModel:
+    model = default_registry().get(settings.model_alias)
+    override = os.environ.get("CHATPLANE_WORKER_MODEL_VERSION")
+    return dataclasses.replace(model, engine=engine, version=override or model.version)
+
+
+async def amain(engine_name: str) -> None:
+    settings = WorkerSettings()
+    model = served_model(settings, engine_name)
+    worker = Worker(settings, build_engine(engine_name, model), model)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await worker.start()
+    try:
+        await stop.wait()
+    finally:
+        await worker.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="chatplane inference worker")
+    parser.add_argument("--engine", default=os.environ.get("CHATPLANE_WORKER_ENGINE", "cpu"), choices=("cpu", "sim", "sglang"))
+    args = parser.parse_args()
+    logging.basicConfig(level=os.environ.get("CHATPLANE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    asyncio.run(amain(args.engine))
+
+
+if __name__ == "__main__":
+    main()

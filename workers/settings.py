@@ -1,0 +1,61 @@
+"""Worker settings, read from the environment once at start-up (``python -m workers``).
+
+Every bound has its unit in the name. ``CHATPLANE_*`` variables:
+    KAFKA_BOOTSTRAP, NAMESPACE, WORKER_ID, WORKER_POOL, WORKER_MODEL_ALIAS, WORKER_SLOTS,
+    WORKER_PAID_WEIGHT, WORKER_FREE_MIN_SHARE, WORKER_HEARTBEAT_INTERVAL_S, WORKER_RENEW_INTERVAL_S,
+    WORKER_PROMPT_TIMEOUT_S, WORKER_DECISION_TIMEOUT_S, WORKER_GENERATION_DURATION_MAX_S,
+    WORKER_ENGINE_STALL_MAX_S, WORKER_SESSION_TIMEOUT_MS, SGLANG_MODEL_PATH, SGLANG_ENGINE_ARGS
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from schemas.topics import Topology
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return default if raw in (None, "") else int(raw)
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return default if raw in (None, "") else float(raw)
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    kafka_bootstrap: str = field(default_factory=lambda: os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    topology: Topology = field(default_factory=lambda: Topology(os.environ.get("CHATPLANE_NAMESPACE", "")))
+    worker_id: str = field(default_factory=lambda: os.environ.get("CHATPLANE_WORKER_ID") or _default_worker_id())
+    pool: str = field(default_factory=lambda: os.environ.get("CHATPLANE_WORKER_POOL", "default"))
+    model_alias: str = field(default_factory=lambda: os.environ.get("CHATPLANE_WORKER_MODEL_ALIAS", "fast-text-model"))
+    # Slots: generations in flight at once (capped by the engine's own ceiling).
+    slots: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_SLOTS", 0))  # 0: the engine's ceiling
+    # Weighted share of paid vs free dispatches, and the smallest share free work always gets.
+    paid_weight: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_PAID_WEIGHT", 3))
+    free_min_share: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_FREE_MIN_SHARE", 0.2))
+    heartbeat_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_HEARTBEAT_INTERVAL_S", 1.0))
+    renew_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_RENEW_INTERVAL_S", 3.0))
+    prompt_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_PROMPT_TIMEOUT_S", 2.0))
+    decision_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_DECISION_TIMEOUT_S", 3.0))
+    decision_attempts_max: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_DECISION_ATTEMPTS_MAX", 3))
+    generation_duration_max_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_GENERATION_DURATION_MAX_S", 120.0))
+    # No chunk from the engine for this long: the engine is hung; abort it and fail the attempt.
+    engine_stall_max_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_ENGINE_STALL_MAX_S", 30.0))
+    # Queue deadline check tolerance for clock skew between processor and worker (ms).
+    session_timeout_ms: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_SESSION_TIMEOUT_MS", 10_000))
+    max_output_tokens_max: int = field(default_factory=lambda: _int("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", 4096))
+
+    @property
+    def group_id(self) -> str:
+        ns = self.topology.namespace
+        return f"{ns}.chatplane-workers.{self.pool}" if ns else f"chatplane-workers.{self.pool}"
