@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas.messages import WorkerHeartbeat
 from schemas.topics import Topology
@@ -70,7 +70,7 @@ class CapacityView:
 
 
 class CapacityReader:
-    """Reads the capacity topic from its end (old heartbeats are stale by definition)."""
+    """Reads the capacity topic from one staleness window back (older heartbeats are stale by definition)."""
 
     def __init__(self, bootstrap: str, topology: Topology, view: CapacityView) -> None:
         self.bootstrap = bootstrap
@@ -81,10 +81,21 @@ class CapacityReader:
 
     async def start(self) -> None:
         self._consumer = AIOKafkaConsumer(
-            self.topology.capacity.name, bootstrap_servers=self.bootstrap, enable_auto_commit=False,
-            auto_offset_reset="latest", group_id=None,
+            bootstrap_servers=self.bootstrap, enable_auto_commit=False, auto_offset_reset="latest", group_id=None
         )
         await self._consumer.start()
+        spec = self.topology.capacity
+        tps = [TopicPartition(spec.name, p) for p in range(spec.partitions)]
+        self._consumer.assign(tps)
+        # Start from the heartbeats of the last staleness window, so a restarted edge knows the pool
+        # at once instead of refusing everything until the next heartbeat arrives.
+        since = await self._consumer.offsets_for_times({tp: _now_ms() - self.view.heartbeat_stale_ms for tp in tps})
+        for tp in tps:
+            found = since.get(tp)
+            if found is not None:
+                self._consumer.seek(tp, found.offset)
+            else:
+                await self._consumer.seek_to_end(tp)
         self._task = asyncio.create_task(self._read(), name="capacity-reader")
 
     async def _read(self) -> None:
@@ -99,7 +110,9 @@ class CapacityReader:
                         log.warning("undecodable capacity message: %s", exc.reason)
                         continue
                     if isinstance(msg, WorkerHeartbeat):
-                        self.view.observe(msg)
+                        # Age a heartbeat by when it was sent (clamped to now against a fast worker
+                        # clock): a replayed old one must not look fresh.
+                        self.view.observe(msg, received_ms=min(_now_ms(), msg.sent_at_ms))
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -66,6 +66,8 @@ class GenerationStream:
     model_version: str
     received_s: float
     admitted_s: float
+    # The result buffer holds at most this many deltas (a worker sends at most one per token).
+    max_output_tokens: int = 1_000_000
     buffer: deque[bytes] = field(default_factory=deque)
     buffered_bytes: int = 0
     next_sequence: int = 1
@@ -208,10 +210,15 @@ class StreamHub:
         if stream.result_truncated:
             return
         size = len(text.encode())
+        over = None
         if stream.result_bytes + size > self.settings.result_bytes_max:
+            over = "result_bytes"
+        elif len(stream.result_parts) >= stream.max_output_tokens:
+            over = "result_tokens"
+        if over is not None:
             stream.result_truncated = True
             if not stream.streaming:
-                self._slow_consumer(stream, "result_bytes")
+                self._slow_consumer(stream, over)
             return
         stream.result_parts.append(text)
         stream.result_bytes += size

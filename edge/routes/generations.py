@@ -238,6 +238,7 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
         model_version=outcome.model_version or model.version,
         received_s=received_s,
         admitted_s=time.monotonic(),
+        max_output_tokens=req.max_output_tokens,
     )
     edge.hub.hold(stream)
     headers = {"X-Request-Id": request_id}

@@ -6,6 +6,7 @@ generation, one message spent, and the retry is told the existing state.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import httpx_sse
@@ -13,7 +14,7 @@ import pytest
 
 from projections.audit import read_topic
 from schemas.codes import RequestStatus
-from schemas.events import GenerationAdmitted
+from schemas.events import CancelRequested, GenerationAdmitted
 from schemas.wire import decode_ledger_entry
 from tests.integration.test_edge_harness import FakeSimWorker, edge_settings, serve_edge
 
@@ -73,3 +74,36 @@ async def test_opening_story_stream_cancel_retry(kafka_bootstrap, topology, runn
         entry = decode_ledger_entry(value)
         admitted += [ev for ev in entry.events if isinstance(ev, GenerationAdmitted) and ev.user_id == user]
     assert [a.generation_id for a in admitted] == [gid]
+
+
+async def test_heartbeats_while_idle_and_client_disconnect_cancels_after_grace(kafka_bootstrap, topology, running_processor):
+    user = f"u-{uuid.uuid4().hex[:8]}"
+    settings = edge_settings(kafka_bootstrap, topology, heartbeat_interval_s=0.1, disconnect_grace_s=0.3)
+    async with (
+        FakeSimWorker(kafka_bootstrap, topology, tokens=[f"t{i} " for i in range(100)], token_interval_s=0.5) as worker,
+        serve_edge(settings) as e,
+        e.http() as http,
+    ):
+        req = http.build_request("POST", "/v1/generations", json=BODY, headers=e.headers(user, "k"))
+        resp = await http.send(req, stream=True)
+        raw = b""
+        it = resp.aiter_bytes()
+        async for chunk in it:
+            raw += chunk
+            if b"generation.text.delta" in raw:
+                break
+        await resp.aclose()  # the client goes away mid-stream
+        assert b": keep-alive\n\n" in raw.split(b"generation.text.delta")[0]
+        gid = raw.split(b'"generation_id":"')[1].split(b'"')[0].decode()
+        for _ in range(200):
+            got = (await http.get(f"/v1/generations/{gid}", headers=e.headers(user))).json()
+            if got["status"] == "cancelled":
+                break
+            await asyncio.sleep(0.05)
+        assert got["status"] == "cancelled" and got["partial"] is True
+        assert worker.finished[gid].value == "stopped"
+        assert e.app.state.edge.metrics.disconnect_cancels._value.get() == 1
+    reasons = []
+    for _p, _o, _k, value in await read_topic(kafka_bootstrap, topology.ledger):
+        reasons += [x.reason.value for x in decode_ledger_entry(value).events if isinstance(x, CancelRequested)]
+    assert reasons == ["client_disconnect"]

@@ -7,6 +7,7 @@ the real decisions are covered by tests/integration/test_edge_*.py).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -347,3 +348,121 @@ def test_committed_openapi_document_is_current_and_served():
     assert {"400", "401", "409", "429", "503"} <= set(post["responses"]) and "422" not in post["responses"]
     roles = spec["components"]["schemas"]["InputMessage"]["properties"]["role"]
     assert set(roles["enum"]) == {"user", "assistant"}
+
+
+# --- the stream hub: epochs, buffers, terminal only after the processor commits ---------------------
+
+
+def make_hub(**over):
+    from edge.metrics import EdgeMetrics
+    from edge.streams import StreamHub
+
+    hub = StreamHub(EdgeSettings(capacity_check=False, read_model=False, **over), EdgeMetrics())
+    hub.client = FakeDecider()
+    return hub
+
+
+def held(hub, gid="g1", epoch=1, streaming=True, max_output_tokens=1000):
+    from edge.streams import GenerationStream
+
+    s = GenerationStream(
+        generation_id=gid, user_id="alice", tier=Tier.FREE, epoch=epoch, streaming=streaming,
+        messages=(ChatMessage("user", "hi"),), input_tokens=3, model_version="v", received_s=0.0, admitted_s=0.0,
+        max_output_tokens=max_output_tokens,
+    )
+    hub.hold(s)
+    return s
+
+
+def finalized(gid="g1", epoch=1, status=RequestStatus.COMPLETED, code=None, partial=False):
+    from schemas.messages import GenerationFinalized
+
+    return GenerationFinalized(event_id="e", user_id="alice", generation_id=gid, epoch=epoch, status=status, code=code, partial=partial, input_tokens=3, output_tokens=2)
+
+
+def delta(seq, text="x", gid="g1", epoch=1):
+    from schemas.messages import TextDelta
+
+    return TextDelta(generation_id=gid, epoch=epoch, sequence=seq, index=0, text=text)
+
+
+def frames_of(stream):
+    return [f.split(b"\n")[0].decode() for f in stream.buffer]
+
+
+async def test_hub_drops_stale_epoch_and_duplicate_deltas_and_ends_only_on_finalized():
+    hub = make_hub()
+    s = held(hub, epoch=2)
+    hub.on_message(delta(0, "a", epoch=1))  # an older, fenced attempt
+    hub.on_message(delta(0, "b", epoch=2))
+    hub.on_message(delta(0, "b", epoch=2))  # redelivered
+    hub.on_message(delta(1, "c", epoch=3))  # not (yet) this stream's epoch
+    assert frames_of(s) == ["event: generation.created", "event: generation.text.delta"]
+    assert not s.done.is_set()
+    hub.on_message(finalized(epoch=1))  # a finalization of another epoch is not this stream's end
+    assert not s.done.is_set()
+    hub.on_message(finalized(epoch=2))
+    hub.on_message(finalized(epoch=2))  # once
+    assert frames_of(s)[-1] == "event: generation.completed" and s.done.is_set()
+    assert sum(f.startswith(b"event: generation.completed") for f in s.buffer) == 1
+    assert hub.result_of("g1") == "b"
+
+
+async def test_hub_slow_stream_is_cancelled_at_its_limit_and_others_are_untouched():
+    hub = make_hub(stream_buffer_bytes_max=5000)
+    slow, other = held(hub, "g1"), held(hub, "g2")
+    for i in range(40):
+        hub.on_message(delta(i, "y" * 200, gid="g1"))
+        hub.on_message(delta(i, "z", gid="g2"))
+    assert slow.overflowed and slow.buffered_bytes <= 5000
+    assert not other.overflowed and len(other.buffer) == 41
+    await hub.flush_background()
+    cancels = [c for c in hub.client.commands]
+    assert [(c.generation_id, c.reason.value) for c in cancels] == [("g1", "slow_consumer")]
+    # The terminal event still arrives for the cancelled stream (small, not bounded).
+    hub.on_message(finalized("g1", status=RequestStatus.CANCELLED, partial=True))
+    assert frames_of(slow)[-1] == "event: generation.cancelled"
+    assert hub.aggregate_bytes == slow.buffered_bytes + other.buffered_bytes
+
+
+async def test_hub_aggregate_ceiling_cancels_the_stream_that_would_pass_it():
+    hub = make_hub(stream_buffer_bytes_max=10_000, aggregate_buffer_bytes_max=3_000)
+    streams = [held(hub, f"g{i}") for i in range(3)]
+    for i in range(30):
+        for s in streams:
+            hub.on_message(delta(i, "w" * 50, gid=s.generation_id))
+    assert hub.aggregate_bytes <= 3_000 + 3 * 200  # created frames are outside the bound
+    assert any(s.overflowed for s in streams)
+    assert hub.metrics.slow_consumer_cancels.labels("aggregate_bytes")._value.get() >= 1
+
+
+async def test_hub_non_streaming_result_buffer_caps_tokens():
+    hub = make_hub()
+    s = held(hub, streaming=False, max_output_tokens=3)
+    for i in range(5):
+        hub.on_message(delta(i, "t", gid="g1"))
+    assert s.result_parts == ["t", "t", "t"] and s.result_truncated
+    await hub.flush_background()
+    assert [c.reason.value for c in hub.client.commands] == ["slow_consumer"]
+
+
+async def test_hub_parks_messages_that_arrive_before_the_stream_is_held():
+    hub = make_hub()
+    hub.on_message(delta(0, "early"))
+    s = held(hub)
+    assert frames_of(s) == ["event: generation.created", "event: generation.text.delta"]
+
+
+async def test_hub_heartbeats_while_idle_and_releases_on_disconnect():
+    hub = make_hub(heartbeat_interval_s=0.01, disconnect_grace_s=0.01, generation_wait_s_max=0.5)
+    s = held(hub)
+    it = hub.frames(s)
+    assert (await it.__anext__()).startswith(b"event: generation.created")
+    assert await it.__anext__() == sse.HEARTBEAT
+    await it.aclose()  # the client went away
+    assert s.reader_gone
+    await asyncio.sleep(0.05)
+    assert [(c.generation_id, c.reason.value) for c in hub.client.commands] == [("g1", "client_disconnect")]
+    hub.on_message(finalized(status=RequestStatus.CANCELLED))
+    await hub.flush_background()
+    assert "g1" not in hub.streams
