@@ -16,6 +16,7 @@ The default alias is ``fast-text-model``: SmolLM2-135M-Instruct (Q4_1 GGUF from 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import importlib.util
@@ -191,7 +192,10 @@ def fallback_token_estimate(texts: Iterable[str]) -> int:
 def _vocab(path: str):  # pragma: no cover - needs llama-cpp-python
     from llama_cpp import Llama
 
-    return Llama(model_path=path, vocab_only=True, verbose=False)
+    vocab = Llama(model_path=path, vocab_only=True, verbose=False)
+    # Free it before interpreter teardown (llama-cpp's finalizer fails once its module globals are gone).
+    atexit.register(vocab.close)
+    return vocab
 
 
 def llama_cpp_available() -> bool:

@@ -79,3 +79,131 @@ async def test_a_generation_streams_from_the_sim_worker_with_usage_heartbeats_an
         assert max(b.tokens_per_s for b in mine) > 0
     accepted = [e for e in await ledger_events(kafka_bootstrap, topology, gid) if isinstance(e, ev.AttemptAccepted)]
     assert len(accepted) == 1
+
+
+async def test_cancel_ordered_before_acceptance_means_no_inference_starts(kafka_bootstrap, topology, edge):
+    async with sim_worker(kafka_bootstrap, topology) as worker:
+        u = user()
+        gid = await edge.submit(u, hold=True)  # the worker waits for its prompt: the dispatch is queued
+        await edge.wait_for(lambda: edge.prompt_requests[gid] > 0, what="the worker's PromptRequest")
+        cancelled = await edge.cancel(u, gid)
+        assert cancelled.kind is OutcomeKind.APPLIED and cancelled.status is RequestStatus.CANCELLED
+        edge.hold[gid].set()  # now the worker gets its prompt and tries to accept: the cancel won
+        await edge.wait_for(lambda: (gid, 1) in worker.traces and worker.traces[(gid, 1)].declined is not None,
+                            what="the worker to give up")
+        trace = worker.traces[(gid, 1)]
+        assert trace.declined == "not_accepted:stale_attempt"
+        assert not trace.accepted and trace.engine_started_at is None and edge.deltas[gid] == []
+        assert (await edge.wait_finalized(gid)).status is RequestStatus.CANCELLED
+    events = await ledger_events(kafka_bootstrap, topology, gid)
+    assert not any(isinstance(e, ev.AttemptAccepted) for e in events)
+    assert any(isinstance(e, ev.LateReportIgnored) and e.command_type == "AcceptAttempt" for e in events)
+
+
+async def test_acceptance_racing_cancel_whichever_the_processor_orders_first_wins(kafka_bootstrap, topology, edge):
+    """Cancel and the prompt are released together; per generation the ledger's order decides."""
+    async with sim_worker(kafka_bootstrap, topology, output_tokens=200, inter_token_ms=10) as worker:
+        users = [user() for _ in range(8)]
+        gids = [await edge.submit(u, hold=True) for u in users]
+        await edge.wait_for(lambda: all(edge.prompt_requests[g] > 0 for g in gids), what="prompt requests")
+        for i, (u, g) in enumerate(zip(users, gids)):
+            edge.hold[g].set()
+            if i % 2:
+                await asyncio.sleep(0.05)  # let some acceptances win
+            await edge.cancel(u, g)
+        for g in gids:
+            assert (await edge.wait_finalized(g)).status is RequestStatus.CANCELLED
+        for g in gids:
+            events = await ledger_events(kafka_bootstrap, topology, g)
+            kinds = [type(e) for e in events]
+            accepted_in_ledger = ev.AttemptAccepted in kinds
+            trace = worker.traces[(g, 1)]
+            assert trace.accepted is accepted_in_ledger
+            assert (trace.engine_started_at is not None) is accepted_in_ledger
+            if not accepted_in_ledger:
+                assert edge.deltas[g] == []
+                assert kinds.index(ev.GenerationCancelled) < len(kinds)
+            else:
+                # Accepted first: the cancel came after, the engine was stopped and the stop reported.
+                assert kinds.index(ev.AttemptAccepted) < kinds.index(ev.CancelRequested)
+                assert trace.outcome is FinishOutcome.STOPPED
+
+
+async def test_cancel_while_running_stops_the_engine_within_two_decode_steps(kafka_bootstrap, topology, edge):
+    async with sim_worker(kafka_bootstrap, topology, output_tokens=2000, inter_token_ms=20, jitter_ms=0) as worker:
+        u = user()
+        gid = await edge.submit(u, max_output_tokens=2000)
+        await edge.wait_for(lambda: len(edge.deltas[gid]) >= 5, what="5 deltas")
+        outcome = await edge.cancel(u, gid)
+        assert outcome.kind is OutcomeKind.CANCEL_REQUESTED
+        final = await edge.wait_finalized(gid)
+        assert final.status is RequestStatus.CANCELLED and final.partial is True
+        trace = worker.traces[(gid, 1)]
+        assert trace.stop_reason == "cancel" and trace.outcome is FinishOutcome.STOPPED
+        assert trace.tokens_after_stop is not None and trace.tokens_after_stop <= 2, trace
+        assert trace.stopped_at is not None and trace.slot_freed_at is not None
+        assert trace.slot_freed_at >= trace.stopped_at  # freed only after the acknowledgement
+        assert final.output_tokens == trace.output_tokens  # usage also on cancel
+        assert len(edge.deltas[gid]) <= trace.output_tokens < 2000
+
+
+async def test_lease_expiry_fences_a_silent_worker_and_its_late_report_is_dropped_and_recorded(
+    kafka_bootstrap, topology, edge
+):
+    cfg = SimConfig(ttft_ms=10, inter_token_ms=20, jitter_ms=0, output_tokens=2000)
+    # A worker that stops renewing (renewals every 60 s, the lease is 3 s): the processor fences it.
+    settings = worker_settings(kafka_bootstrap, topology, renew_interval_s=60.0)
+    async with Worker(settings, SimulatedEngine(cfg), served("sim")) as worker:
+        u = user()
+        gid = await edge.submit(u, max_output_tokens=2000)
+        final = await edge.wait_finalized(gid)
+        assert final.status is RequestStatus.FAILED and final.code is RejectionCode.MODEL_BACKEND_ERROR
+        # (partial is the processor's view: this worker never renewed, so it never reported a token.)
+        await edge.wait_for(lambda: worker.traces[(gid, 1)].report is not None, what="the late report")
+        trace = worker.traces[(gid, 1)]
+        assert trace.stop_reason == "fenced"
+        assert trace.report.kind is OutcomeKind.REJECTED and trace.report.code is RejectionCode.STALE_ATTEMPT
+        received = len(edge.deltas[gid])
+        await asyncio.sleep(0.3)
+        assert len(edge.deltas[gid]) == received  # nothing more from the fenced epoch
+    events = await ledger_events(kafka_bootstrap, topology, gid)
+    assert any(isinstance(e, ev.AttemptFenced) and e.epoch == 1 for e in events)
+    late = [e for e in events if isinstance(e, ev.LateReportIgnored) and e.command_type == "ReportAttemptFinished"]
+    assert late and late[0].reason == "fenced_epoch" and late[0].worker_id == settings.worker_id
+    assert not any(isinstance(e, ev.UsageRecorded) and e.output_tokens == trace.output_tokens for e in events if trace.output_tokens)
+
+
+async def test_kill9_mid_stream_ends_in_model_backend_error_partial_with_no_second_attempt(
+    kafka_bootstrap, topology, edge, tmp_path
+):
+    proc = WorkerProcess(kafka_bootstrap, topology, tmp_path, engine="sim", CHATPLANE_SIM_TTFT_MS=10,
+                         CHATPLANE_SIM_INTER_TOKEN_MS=50, CHATPLANE_SIM_OUTPUT_TOKENS=2000)
+    proc.start()
+    try:
+        u = user()
+        gid = await edge.submit(u, max_output_tokens=2000)
+        await edge.wait_for(lambda: len(edge.deltas[gid]) >= 25, what=f"25 deltas; worker log: {proc.log()}")
+        proc.kill9()
+        received = list(edge.deltas[gid])
+        final = await edge.wait_finalized(gid)
+        assert final.status is RequestStatus.FAILED and final.code is RejectionCode.MODEL_BACKEND_ERROR
+        assert final.partial is True and final.output_tokens > 0
+        # The partial text the client got is kept: contiguous sequences 1..n of epoch 1.
+        assert [d.sequence for d in received] == list(range(1, len(received) + 1))
+        assert edge.deltas[gid][: len(received)] == received
+        events = await ledger_events(kafka_bootstrap, topology, gid)
+        assert any(isinstance(e, ev.AttemptFenced) and e.epoch == 1 for e in events)
+        assert sum(isinstance(e, ev.AttemptAccepted) for e in events) == 1
+        assert sum(isinstance(e, ev.GenerationAdmitted) for e in events) == 1  # no second attempt
+        # The dead worker's report arrives late (say, from a retry buffer): dropped and recorded.
+        late = await edge.client.decide(cmd.ReportAttemptFinished(
+            command_id=uuid.uuid4().hex, user_id=u, issued_at_ms=now_ms(), generation_id=gid, epoch=1,
+            worker_id=proc.worker_id, outcome=FinishOutcome.COMPLETED, input_tokens=10, output_tokens=999,
+            reply_to=edge.client.reply_to()))
+        assert late.kind is OutcomeKind.REJECTED and late.code is RejectionCode.STALE_ATTEMPT
+        events = await ledger_events(kafka_bootstrap, topology, gid)
+        ignored = [e for e in events if isinstance(e, ev.LateReportIgnored) and e.worker_id == proc.worker_id]
+        assert ignored and ignored[-1].reason == "fenced_epoch"
+        assert not any(isinstance(e, ev.UsageRecorded) and e.output_tokens == 999 for e in events)
+    finally:
+        proc.stop()
