@@ -586,6 +586,9 @@ class Worker:
                 if item.output_tokens >= request.max_output_tokens and not aborting:
                     stop.set("max_output_tokens", FinishOutcome.COMPLETED)
         finally:
+            # Close the engine's iterator now (it may hold the engine's lock or a sequence slot).
+            with contextlib.suppress(Exception):
+                await iterator.aclose()
             trace.stopped_at = time.monotonic()
             renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

