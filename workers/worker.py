@@ -105,6 +105,9 @@ class AttemptTrace:
     epoch: int
     declined: str | None = None
     accepted: bool = False
+    taken_at: float = field(default_factory=time.monotonic)  # the dispatch was taken from its topic
+    prompt_at: float | None = None  # the edge's PromptPayload arrived
+    accepted_at: float | None = None  # the processor's acceptance arrived
     engine_started_at: float | None = None
     engine_first_token_at: float | None = None
     stop_requested_at: float | None = None
@@ -466,6 +469,7 @@ class Worker:
             payload = None
         finally:
             self._prompts.pop(key, None)
+        trace.prompt_at = time.monotonic()
         if payload is None or not payload.found:
             await self._decline(d, trace, "prompt_unavailable")
             return None
@@ -477,6 +481,7 @@ class Worker:
             trace.declined = f"not_accepted:{outcome.code.value if outcome and outcome.code else 'no_decision'}"
             return None
         trace.accepted = True
+        trace.accepted_at = time.monotonic()
         return payload
 
     def _engine_request(self, d: DispatchAuthorized, payload: PromptPayload) -> EngineRequest:

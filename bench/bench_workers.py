@@ -1,0 +1,178 @@
+"""Worker benchmarks on the real broker and the real processor (``python -m projections``).
+
+    .venv/bin/python bench/bench_workers.py [--concurrency 100] [--cancels 30] [--cpu-runs 5]
+
+Prints, per part:
+- sim, ``--concurrency`` generations at once: client TTFT (submit sent -> first delta on the inbox),
+  engine TTFT (engine started -> first token) and their difference, the control plane's overhead
+  (processor decision, dispatch, prompt fetch, acceptance, delta transport): p50/p95.
+- sim, cancel -> engine stopped: CancelGeneration sent -> the engine's stop acknowledgement, p50/p95,
+  and the tokens generated after the worker learned of the stop.
+- cpu (SmolLM2-135M-Instruct on llama.cpp, skipped when not installed): engine TTFT, tokens/s,
+  client TTFT, and cancel -> engine stopped.
+Everything runs on this machine (broker, processor, worker, client), so the figures include their
+competition for its cores; a floor is printed next to each (the simulator's own configured TTFT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from projections.client import CommandClient  # noqa: E402
+from projections.kafka_admin import delete_topics, ensure_topics  # noqa: E402
+from schemas.codes import RequestStatus  # noqa: E402
+from schemas.topics import Topology  # noqa: E402
+from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding  # noqa: E402
+from tests.integration.workers_harness import TestEdge, served, worker_settings  # noqa: E402
+from workers.engines.cpu import cpu_runtime_missing_reason  # noqa: E402
+from workers.engines.sim import SimConfig, SimulatedEngine  # noqa: E402
+from workers.worker import Worker  # noqa: E402
+
+WAIT_S = 120.0
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+
+def line(name: str, values_s: list[float]) -> str:
+    ms = [v * 1000 for v in values_s]
+    return f"{name:<44} n={len(ms):<4} p50={pct(ms, 50):8.1f} ms  p95={pct(ms, 95):8.1f} ms  max={max(ms) if ms else float('nan'):8.1f} ms"
+
+
+async def ttft_under_load(bootstrap: str, topo: Topology, edge: TestEdge, concurrency: int) -> None:
+    cfg = SimConfig(ttft_ms=50, inter_token_ms=10, jitter_ms=2, output_tokens=32, max_concurrent=max(128, concurrency))
+    async with Worker(worker_settings(bootstrap, topo, slots=concurrency), SimulatedEngine(cfg), served("sim")) as worker:
+        await asyncio.sleep(3)  # the worker joins its consumer group
+        users = [f"bench-{uuid.uuid4().hex[:8]}" for _ in range(concurrency)]
+        sent: dict[str, float] = {}
+
+        async def one(u: str) -> str:
+            t0 = time.monotonic()
+            gid = await edge.submit(u, "hello")
+            sent[gid] = t0
+            return gid
+
+        gids = await asyncio.gather(*(one(u) for u in users))
+        await edge.wait_for(lambda: all(g in edge.finalized for g in gids), WAIT_S, "all finalized")
+        client, engine, overhead = [], [], []
+        to_dispatch, to_prompt, to_accept, to_client = [], [], [], []
+        for g in gids:
+            tr = worker.traces[(g, 1)]
+            to_dispatch.append(tr.taken_at - sent[g])
+            to_prompt.append(tr.prompt_at - tr.taken_at)
+            to_accept.append(tr.accepted_at - tr.prompt_at)
+            to_client.append(edge.first_delta_at[g] - tr.engine_first_token_at)
+            assert edge.finalized[g].status is RequestStatus.COMPLETED
+            c = edge.first_delta_at[g] - sent[g]
+            e = tr.engine_first_token_at - tr.engine_started_at
+            client.append(c), engine.append(e), overhead.append(c - e)
+        print(f"\n== sim: {concurrency} concurrent generations (engine TTFT configured {cfg.ttft_ms:.0f} ms) ==")
+        print(line("client TTFT", client))
+        print(line("engine TTFT", engine))
+        print(line("control-plane overhead (client - engine)", overhead))
+        print(line("  submit sent -> dispatch taken by worker", to_dispatch))
+        print(line("  dispatch taken -> prompt from edge", to_prompt))
+        print(line("  prompt -> acceptance decided", to_accept))
+        print(line("  engine first token -> client has it", to_client))
+
+
+async def cancel_latency(bootstrap: str, topo: Topology, edge: TestEdge, engine_name: str, runs: int, worker_kw: dict) -> None:
+    if engine_name == "sim":
+        engine = SimulatedEngine(SimConfig(ttft_ms=20, inter_token_ms=20, jitter_ms=2, output_tokens=5000))
+        model, prompt = served("sim"), "hello"
+    else:
+        from workers.engines.cpu import CpuEngine
+
+        engine, model, prompt = CpuEngine(), served("cpu"), "Write a very long story about a dragon and a knight."
+    async with Worker(worker_settings(bootstrap, topo, **worker_kw), engine, model) as worker:
+        await asyncio.sleep(3)
+        lat, after = [], []
+        for _ in range(runs):
+            u = f"bench-{uuid.uuid4().hex[:8]}"
+            gid = await edge.submit(u, prompt, max_output_tokens=2000)
+            await edge.wait_for(lambda: len(edge.deltas[gid]) >= 5, WAIT_S, "5 deltas")
+            t0 = time.monotonic()
+            await edge.cancel(u, gid)
+            final = await edge.wait_finalized(gid, WAIT_S)
+            assert final.status is RequestStatus.CANCELLED, final
+            tr = worker.traces[(gid, 1)]
+            lat.append(tr.stopped_at - t0)
+            after.append(tr.tokens_after_stop or 0)
+        print(f"\n== {engine_name}: cancel -> engine stopped, {runs} sequential cancels ==")
+        print(line("CancelGeneration sent -> stop acknowledged", lat))
+        print(f"{'tokens generated after the worker saw the stop':<44} max={max(after)} mean={statistics.mean(after):.2f}")
+
+
+async def cpu_speed(bootstrap: str, topo: Topology, edge: TestEdge, runs: int) -> None:
+    from workers.engines.cpu import CpuEngine
+
+    async with Worker(worker_settings(bootstrap, topo, slots=1), CpuEngine(), served("cpu")) as worker:
+        await asyncio.sleep(3)
+        ttft, tps, client = [], [], []
+        sample = ""
+        for _ in range(runs):
+            u = f"bench-{uuid.uuid4().hex[:8]}"
+            t0 = time.monotonic()
+            gid = await edge.submit(u, "Name three colors.", max_output_tokens=128)
+            final = await edge.wait_finalized(gid, WAIT_S)
+            tr = worker.traces[(gid, 1)]
+            ttft.append(tr.engine_first_token_at - tr.engine_started_at)
+            client.append(edge.first_delta_at[gid] - t0)
+            if final.output_tokens > 1:
+                tps.append((final.output_tokens - 1) / (tr.stopped_at - tr.engine_first_token_at))
+            sample = edge.text(gid)
+        print(f"\n== cpu: SmolLM2-135M-Instruct Q4_1 on llama.cpp, {runs} runs of 'Name three colors.' ==")
+        print(line("engine TTFT (prompt eval + first token)", ttft))
+        print(line("client TTFT", client))
+        print(f"{'decode tokens/s':<44} n={len(tps):<4} mean={statistics.mean(tps):.1f} min={min(tps):.1f}")
+        print(f"{'sample answer':<44} {sample!r}")
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bootstrap", default="127.0.0.1:9092")
+    ap.add_argument("--concurrency", type=int, default=100)
+    ap.add_argument("--cancels", type=int, default=30)
+    ap.add_argument("--cpu-runs", type=int, default=5)
+    ap.add_argument("--sim-only", action="store_true")
+    args = ap.parse_args()
+    topo = Topology(f"bw{uuid.uuid4().hex[:8]}")
+    await ensure_topics(args.bootstrap, topo.all())
+    proc = ProcessorProcess(args.bootstrap, topo.namespace, Path(tempfile.mkdtemp(prefix="bench-workers-")),
+                            CHATPLANE_QUOTA_FREE_PER_WINDOW=10_000)
+    proc.start()
+    try:
+        async with CommandClient(args.bootstrap, topo, inbox_partition=0, decision_timeout_s=15) as probe:
+            await wait_until_deciding(probe)
+        async with TestEdge(args.bootstrap, topo, partition=1) as edge:
+            await ttft_under_load(args.bootstrap, topo, edge, args.concurrency)
+            await cancel_latency(args.bootstrap, topo, edge, "sim", args.cancels, {})
+            if args.sim_only:
+                return
+            missing = cpu_runtime_missing_reason()
+            if missing:
+                print(f"\n== cpu: skipped ({missing}) ==")
+            else:
+                await cpu_speed(args.bootstrap, topo, edge, args.cpu_runs)
+                await cancel_latency(args.bootstrap, topo, edge, "cpu", args.cpu_runs, {"slots": 1})
+    finally:
+        proc.stop()
+        await delete_topics(args.bootstrap, [s.name for s in topo.all()])
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
