@@ -328,8 +328,10 @@ def _host_main() -> None:  # pragma: no cover - needs a GPU and sglang
         async with server:
             await stop.wait()
 
+    # sglang.Engine creates (or adopts) an event loop for its tokenizer manager; run on that one.
+    loop = getattr(engine, "loop", None) or asyncio.new_event_loop()
     try:
-        engine.loop.run_until_complete(run())
+        loop.run_until_complete(run())
     finally:
         engine.shutdown()
 
