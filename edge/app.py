@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -118,6 +117,35 @@ class Edge:
         return text
 
 
+class RequestIdMiddleware:
+    """Gives every request an opaque ``request_id`` (``request.state.request_id``, ``X-Request-Id``).
+
+    Plain ASGI rather than ``BaseHTTPMiddleware``: that one runs each response in an extra task group
+    with its own disconnect listener, which cost a third of the edge's CPU per streaming request.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (b"x-request-id", request_id.encode())
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    headers.append(header)
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def _cache_openapi(app: FastAPI) -> dict[str, Any]:
     from edge.openapi import build
 
@@ -150,14 +178,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)
     app.add_exception_handler(Exception, errors.unexpected_error_handler)
 
-    @app.middleware("http")
-    async def request_ids(request: Request, call_next: Any) -> Response:
-        request.state.request_id = new_request_id()
-        started = time.monotonic()
-        response: Response = await call_next(request)
-        response.headers.setdefault("X-Request-Id", request.state.request_id)
-        log.debug("request_id=%s status=%d ms=%.1f", request.state.request_id, response.status_code, (time.monotonic() - started) * 1000)
-        return response
+    app.add_middleware(RequestIdMiddleware)
 
     @app.get("/healthz", include_in_schema=True, tags=["operations"], summary="Liveness")
     async def healthz() -> dict[str, str]:

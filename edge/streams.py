@@ -361,7 +361,7 @@ class StreamHub:
             await asyncio.wait_for(stream.done.wait(), self.settings.disconnect_grace_s)
         if stream.finalized is None:
             self.metrics.disconnect_cancels.inc()
-            log.info("client gone: cancelling generation_id=%s", stream.generation_id)
+            log.debug("client gone: cancelling generation_id=%s", stream.generation_id)
             await self.send_cancel(stream.user_id, stream.generation_id, CancelReason.CLIENT_DISCONNECT)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stream.done.wait(), self.settings.generation_wait_s_max)
