@@ -10,6 +10,15 @@
 Delivery is at-least-once (faust flushes the producer before it commits offsets), not faust's
 exactly-once mode (faust-streaming #517, #323, #177): decisions are deterministic and derived ids
 make every output idempotent for its readers.
+
+State is never durable ahead of the outputs it implies. The agent decides commands in order and
+sends their outputs at once, but a command's new aggregate is written to the table (its changelog)
+and the command acked (made committable) only after Kafka acknowledged every output of it, in
+command order (``_drain``). After a kill -9 the restored table therefore reflects a prefix of
+commands whose outputs are all in the log; commands after it are redelivered and decided again
+from that state, with the same derived ids. (Writing the table first lost the ledger events of a
+command whose state reached the changelog while its events did not; its redelivery was skipped as
+already applied and the audit found the table ahead of the ledger.)
 """
 
 from __future__ import annotations
@@ -20,8 +29,9 @@ import logging
 import os
 import struct
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Awaitable
 
 import faust
 from aiokafka.partitioner import murmur2
@@ -63,6 +73,18 @@ def unpack_value(value: bytes) -> Aggregate:
 def user_partition(user_id: bytes, partitions: int) -> int:
     """The partition the default (murmur2) partitioner gives a user's key, as every producer uses."""
     return (murmur2(user_id) & 0x7FFFFFFF) % partitions
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One decided command waiting for Kafka to acknowledge its outputs."""
+
+    partition: int
+    sends: list[Awaitable[Any]] = field(default_factory=list)  # delivery futures of its outputs
+    key: bytes | None = None  # table key to write once they are acknowledged (None: no write)
+    value: bytes | None = None
+    aggregate: Aggregate | None = None
+    event: Any = None  # the faust event to ack after the write
 
 
 @dataclass
@@ -121,6 +143,12 @@ class AdmissionProcessor:
         # user key -> the time its next ReconcileDue is due (only users of partitions assigned here).
         self._deadlines: dict[bytes, int] = {}
         self._scan_needed = True
+        # Decided commands, oldest first, whose outputs Kafka has not acknowledged yet; and per user
+        # the newest aggregate decided here that is not yet written to the table (ahead of it).
+        self._pending: deque[_Pending] = deque()
+        self._unwritten: dict[bytes, Aggregate] = {}
+        self._pending_added = asyncio.Event()
+        self._pending_room = asyncio.Event()
         self.app.agent(self.commands, name="admission", concurrency=1)(self._admission)
         self.app.timer(interval=settings.reconcile_tick_s, name="reconcile")(self._reconcile_tick)
         self.app.on_partitions_assigned.connect(self._on_assigned)
@@ -145,16 +173,68 @@ class AdmissionProcessor:
         if lost:
             self._deadlines = {k: t for k, t in self._deadlines.items() if user_partition(k, self.partitions) not in lost}
             self._decoded = {k: v for k, v in self._decoded.items() if user_partition(k, self.partitions) not in lost}
+            self._unwritten = {k: v for k, v in self._unwritten.items() if user_partition(k, self.partitions) not in lost}
 
     # --- the agent --------------------------------------------------------------------------
 
     async def _admission(self, stream: Any) -> None:
         self._tune_runtime()
-        async for event in stream.events():
-            message = event.message
-            await self.process(message.partition, message.offset, message.key, message.value)
+        manual = stream.noack()  # acked by _drain, once the command's outputs are durable
+        drainer = asyncio.ensure_future(self._drain(manual))
+        limit = self.settings.pending_commands_max
+        try:
+            async for event in manual.events():
+                message = event.message
+                pending = await self.process(message.partition, message.offset, message.key, message.value)
+                pending.event = event
+                self._pending.append(pending)
+                self._pending_added.set()
+                while len(self._pending) >= limit and not drainer.done():
+                    self._pending_room.clear()
+                    await self._pending_room.wait()
+                if drainer.done():
+                    drainer.result()  # re-raise why it stopped: the agent must not go on without it
+                    raise RuntimeError("the processor's drain task stopped")
+        finally:
+            drainer.cancel()
+
+    async def _drain(self, stream: Any) -> None:
+        """Oldest first: wait for a command's outputs, then write its state and ack it."""
+        pending = self._pending
+        limit = self.settings.pending_commands_max
+        try:
+            while True:
+                if not pending:
+                    self._pending_added.clear()
+                    await self._pending_added.wait()
+                    continue
+                head = pending[0]
+                for send in head.sends:
+                    await send  # raises when Kafka refused it after the producer's own retries
+                pending.popleft()
+                if head.key is not None:
+                    self.table.send_changelog(head.partition, head.key, head.value)
+                    self.table.data[head.key] = head.value
+                    if self._unwritten.get(head.key) is head.aggregate:
+                        del self._unwritten[head.key]
+                        self._decoded[head.key] = (head.value, head.aggregate)
+                if head.event is not None:
+                    await stream.ack(head.event)
+                if len(pending) < limit:
+                    self._pending_room.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # An output Kafka did not take: its state must not be written nor its command acked.
+            log.critical("an output was not delivered; the processor stops: %r", exc)
+            self._pending_room.set()
+            await self.app.crash(exc)
+            raise
 
     def _aggregate(self, key: bytes, user_id: str) -> Aggregate:
+        unwritten = self._unwritten.get(key)
+        if unwritten is not None:
+            return unwritten
         value = self.table.get(key)
         if value is None:
             return Aggregate.empty(user_id)
@@ -165,48 +245,56 @@ class AdmissionProcessor:
         self._decoded[key] = (value, aggregate)
         return aggregate
 
-    async def process(self, partition: int, offset: int, key: bytes | None, value: bytes | None) -> None:
+    async def process(self, partition: int, offset: int, key: bytes | None, value: bytes | None) -> _Pending:
+        """Decide one command and send its outputs; the returned entry carries what to write once
+        Kafka acknowledged them (see ``_drain``)."""
+        pending = _Pending(partition)
         if value is None:
-            await self._dead_letter(partition, offset, key, b"", "empty message")
-            return
+            pending.sends.append(await self._dead_letter(partition, offset, key, b"", "empty message"))
+            return pending
         try:
             command = decode_command(value)
         except WireError as exc:
-            await self._dead_letter(partition, offset, key, value, exc.reason)
-            return
+            pending.sends.append(await self._dead_letter(partition, offset, key, value, exc.reason))
+            return pending
         user_key = command.user_id.encode()
         if key != user_key:
             # The single-writer guarantee needs every command of a user on the user's partition.
-            await self._dead_letter(partition, offset, key, value, "message key is not the command's user_id")
-            return
+            reason = "message key is not the command's user_id"
+            pending.sends.append(await self._dead_letter(partition, offset, key, value, reason))
+            return pending
         try:
             before = self._aggregate(user_key, command.user_id)
             after, decision, redelivered = handle(before, command, self.policy, offset)
         except Exception as exc:  # noqa: BLE001 - a bug must not stop every user of the partition
             log.exception("processing %s failed", command.command_id)
-            await self._dead_letter(partition, offset, key, value, f"processing error: {type(exc).__name__}")
-            return
+            reason = f"processing error: {type(exc).__name__}"
+            pending.sends.append(await self._dead_letter(partition, offset, key, value, reason))
+            return pending
         self.stats.commands += 1
         if decision is None:
-            # Applied before a crash and no longer remembered: nothing to decide or send again.
+            # At or below the offset the durable state reflects: its outputs were acknowledged
+            # before that state was written, so there is nothing to decide or send again.
             self.stats.redelivered_forgotten += 1
-            return
+            return pending
         if redelivered:
             self.stats.redelivered += 1
         else:
             deadline = next_deadline_ms(after.ledger, self.policy)
-            packed = pack_value(after, deadline)
-            self.table[user_key] = packed
-            self._decoded[user_key] = (packed, after)
+            pending.key, pending.value, pending.aggregate = user_key, pack_value(after, deadline), after
+            self._unwritten[user_key] = after
             if deadline is None:
                 self._deadlines.pop(user_key, None)
             else:
                 self._deadlines[user_key] = deadline
         producer = self.app.producer
         for out in route(self.topology, before.ledger, after.ledger, command, decision, partition):
-            await producer.send(out.topic, out.key, out.value, out.partition, None, None)
+            pending.sends.append(await producer.send(out.topic, out.key, out.value, out.partition, None, None))
+        return pending
 
-    async def _dead_letter(self, partition: int, offset: int, key: bytes | None, value: bytes, reason: str) -> None:
+    async def _dead_letter(
+        self, partition: int, offset: int, key: bytes | None, value: bytes, reason: str
+    ) -> Awaitable[Any]:
         self.stats.dead_lettered += 1
         log.warning("dead-lettered %s[%d]@%d: %s", self.topology.commands.name, partition, offset, reason)
         record = {
@@ -220,7 +308,7 @@ class AdmissionProcessor:
             "value_b64": base64.b64encode(value[:DEAD_LETTER_VALUE_BYTES_MAX]).decode(),
             "value_bytes": len(value),
         }
-        await self.app.producer.send(self.topology.dead_letter.name, key, encode(record), None, None, None)
+        return await self.app.producer.send(self.topology.dead_letter.name, key, encode(record), None, None, None)
 
     # --- the deadline timer -----------------------------------------------------------------
 
@@ -240,6 +328,13 @@ class AdmissionProcessor:
             if value is not None and user_partition(key, self.partitions) in assigned:
                 deadline = unpack_deadline(value)
                 if deadline is not None:
+                    deadlines[key] = deadline
+        for key, aggregate in self._unwritten.items():  # decided here, ahead of the table
+            if user_partition(key, self.partitions) in assigned:
+                deadline = next_deadline_ms(aggregate.ledger, self.policy)
+                if deadline is None:
+                    deadlines.pop(key, None)
+                else:
                     deadlines[key] = deadline
         self._deadlines = deadlines
         self._scan_needed = False

@@ -55,5 +55,8 @@ class ProcessorSettings:
     reconcile_tick_s: float = field(default_factory=lambda: _float("CHATPLANE_RECONCILE_TICK_S", 0.5))
     # After the timer appended a ReconcileDue for a user, it waits this long before appending another.
     reconcile_resend_ms: int = field(default_factory=lambda: _int("CHATPLANE_RECONCILE_RESEND_MS", 5_000))
+    # Commands decided but not yet durable (their outputs unacknowledged by Kafka, their state not
+    # yet written to the table); the agent waits for the oldest one when this many are in flight.
+    pending_commands_max: int = field(default_factory=lambda: _int("CHATPLANE_PROCESSOR_PENDING_MAX", 2_000))
     data_dir: str = field(default_factory=lambda: os.environ.get("CHATPLANE_DATA_DIR", "var/processor"))
     policy: Policy = field(default_factory=policy_from_env)
