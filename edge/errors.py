@@ -156,4 +156,7 @@ async def unexpected_error_handler(request: Request, exc: Exception) -> Response
     import logging
 
     logging.getLogger("chatplane.edge").exception("unhandled error request_id=%s", request_id_of(request))
+    edge = getattr(request.app.state, "edge", None)
+    if edge is not None:
+        edge.metrics.unhandled_errors.inc()
     return error_response(ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE), request_id_of(request))

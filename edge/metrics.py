@@ -52,4 +52,7 @@ class EdgeMetrics:
             "chatplane_edge_prompt_requests", "Prompt requests from workers, by whether the prompt was held.",
             ["found"], registry=r,
         )
+        self.unhandled_errors = Counter(
+            "chatplane_edge_unhandled_errors", "Requests that hit a bug (answered as a typed 503); should stay 0.", registry=r
+        )
         self.draining = Gauge("chatplane_edge_draining", "1 while this edge drains.", registry=r)

@@ -88,6 +88,9 @@ async def test_fuzz_from_openapi_no_5xx_and_every_error_typed(kafka_bootstrap, t
         statuses = await asyncio.to_thread(fuzz, edge.url, edge.headers("fuzzer"))
         async with edge.http() as http:
             assert (await http.get("/healthz")).status_code == 200
+            metrics = (await http.get("/metrics")).text
+    # A bug is answered as a typed 503 too; the counter tells them apart, and none happened.
+    assert "chatplane_edge_unhandled_errors_total 0.0" in metrics
     # The fuzz reached past authentication and validation: admitted, refused and typed-invalid answers.
     assert {200, 400, 401} <= statuses["POST /v1/generations"], statuses
     assert {401, 404} <= statuses["GET /v1/generations/{generation_id}"], statuses
