@@ -16,8 +16,10 @@ fenced cannot shadow the text of the epoch that completed. This is the only Cass
 holds generated text; nothing here logs it.
 
 ``CassandraResultStore`` satisfies the workers' ``ResultSink`` protocol (``async put(generation_id,
-epoch, text, usage) -> None``; ``usage`` is anything with ``input_tokens``/``output_tokens``
-attributes or keys).
+epoch, text, usage) -> None``; ``usage`` is an ``(input_tokens, output_tokens)`` pair or anything with
+those attributes or keys). ``python -m workers`` wraps it in ``workers.result_sink.CassandraResultSink``
+(lazy open, bounded retries, then completion is reported anyway and a retry answers
+``result_unavailable``).
 """
 
 from __future__ import annotations
@@ -51,8 +53,16 @@ class StoredResult:
     expires_at_ms: int
 
 
+_USAGE_ORDER = ("input_tokens", "output_tokens")
+
+
 def _usage_field(usage: Any, name: str) -> int:
-    value = usage.get(name) if isinstance(usage, Mapping) else getattr(usage, name)
+    if isinstance(usage, Mapping):
+        value = usage.get(name)
+    elif isinstance(usage, tuple | list):  # the worker's (input_tokens, output_tokens)
+        value = usage[_USAGE_ORDER.index(name)]
+    else:
+        value = getattr(usage, name)
     return int(value or 0)
 
 
@@ -103,11 +113,13 @@ class CassandraResultStore:
             self.session, f"SELECT {cols} FROM {ks}.{RESULTS_TABLE} WHERE generation_id = ? AND epoch = ?"
         )
 
-    async def put(self, generation_id: str, epoch: int, text: str, usage: Any) -> None:
+    async def put(
+        self, generation_id: str, epoch: int, text: str, usage: Any, *, timeout_s: float = RESULT_WRITE_TIMEOUT_S
+    ) -> None:
         """Store the final text of ``(generation_id, epoch)`` for ``ttl_s``; idempotent (same key, same row).
 
-        Raises the driver's error or ``TimeoutError`` if Cassandra did not confirm within
-        ``RESULT_WRITE_TIMEOUT_S``: the worker must then not report completion as stored.
+        Raises the driver's error or ``TimeoutError`` if Cassandra did not confirm within ``timeout_s``
+        (the caller decides what then: ``CassandraResultSink`` retries, bounded).
         """
         if self._insert is None:
             await self.prepare()
@@ -124,7 +136,7 @@ class CassandraResultStore:
             now_ms + self.ttl_s * 1000,
             self.ttl_s,
         )
-        await execute(self.session, self._insert, params, timeout_s=RESULT_WRITE_TIMEOUT_S)
+        await execute(self.session, self._insert, params, timeout_s=timeout_s)
 
     async def get(
         self, generation_id: str, epoch: int | None = None, *, timeout_s: float = RESULT_READ_TIMEOUT_S

@@ -1,7 +1,9 @@
 """``python -m workers --engine cpu|sim|sglang``: one inference worker process (settings from the env).
 
 Where it sits: reads ``dispatch.<pool>.{paid,free}`` and its worker-control partition, writes commands,
-deltas to edge inboxes and heartbeats to ``capacity`` (see ``workers.worker``). SIGTERM/SIGINT drain
+deltas to edge inboxes and heartbeats to ``capacity`` (see ``workers.worker``), and each final text to
+the Cassandra result store before reporting completion (``workers.result_sink``; off with
+``CHATPLANE_WORKER_RESULT_STORE=none``). SIGTERM/SIGINT drain
 running attempts (bounded by ``DRAIN_TIMEOUT_S``) and exit.
 """
 
@@ -19,7 +21,7 @@ import orjson
 from workers.engines.base import Engine
 from workers.registry import RegisteredModel, default_registry
 from workers.settings import WorkerSettings
-from workers.worker import Worker
+from workers.worker import NullResultSink, ResultSink, Worker
 
 
 def build_engine(name: str, model: RegisteredModel) -> Engine:
@@ -47,10 +49,24 @@ def served_model(settings: WorkerSettings, engine: str) -> RegisteredModel:
     return dataclasses.replace(model, engine=engine, version=override or model.version)
 
 
+def build_result_sink(settings: WorkerSettings) -> ResultSink:
+    """The Cassandra result store unless ``CHATPLANE_WORKER_RESULT_STORE=none`` (opened lazily, bounded per put)."""
+    if settings.result_store == "none":
+        return NullResultSink()
+    from workers.result_sink import CassandraResultSink
+
+    return CassandraResultSink(
+        attempts_max=settings.result_put_attempts_max,
+        backoff_s=settings.result_put_backoff_s,
+        deadline_s=settings.result_put_deadline_s,
+    )
+
+
 async def amain(engine_name: str) -> None:
     settings = WorkerSettings()
     model = served_model(settings, engine_name)
-    worker = Worker(settings, build_engine(engine_name, model), model)
+    sink = build_result_sink(settings)
+    worker = Worker(settings, build_engine(engine_name, model), model, result_sink=sink)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -60,6 +76,9 @@ async def amain(engine_name: str) -> None:
         await stop.wait()
     finally:
         await worker.stop()
+        close = getattr(sink, "close", None)
+        if close is not None:
+            await close()
 
 
 def main() -> None:

@@ -4,7 +4,10 @@ Every bound has its unit in the name. ``CHATPLANE_*`` variables:
     KAFKA_BOOTSTRAP, NAMESPACE, WORKER_ID, WORKER_POOL, WORKER_MODEL_ALIAS, WORKER_SLOTS,
     WORKER_PAID_WEIGHT, WORKER_FREE_MIN_SHARE, WORKER_HEARTBEAT_INTERVAL_S, WORKER_RENEW_INTERVAL_S,
     WORKER_PROMPT_TIMEOUT_S, WORKER_DECISION_TIMEOUT_S, WORKER_GENERATION_DURATION_MAX_S,
-    WORKER_ENGINE_STALL_MAX_S, WORKER_SESSION_TIMEOUT_MS, SGLANG_MODEL_PATH, SGLANG_ENGINE_ARGS
+    WORKER_ENGINE_STALL_MAX_S, WORKER_SESSION_TIMEOUT_MS, SGLANG_MODEL_PATH, SGLANG_ENGINE_ARGS,
+    WORKER_RESULT_STORE (cassandra|none), WORKER_RESULT_PUT_ATTEMPTS_MAX, WORKER_RESULT_PUT_BACKOFF_S,
+    WORKER_RESULT_PUT_DEADLINE_S; the result store's Cassandra (CASSANDRA_HOSTS, CASSANDRA_PORT,
+    CASSANDRA_KEYSPACE, RESULT_TTL_S) is read by ``projections.readmodel_schema.ReadModelSettings``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,19 @@ class WorkerSettings:
     engine_stall_max_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_ENGINE_STALL_MAX_S", 30.0))
     # Queue deadline check tolerance for clock skew between processor and worker (ms).
     session_timeout_ms: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_SESSION_TIMEOUT_MS", 10_000))
+    # Where the final text goes before completion is reported (workers.result_sink): "cassandra" for
+    # python -m workers, "none" to keep nothing (then every same-key retry answers result_unavailable).
+    result_store: str = field(default_factory=lambda: os.environ.get("CHATPLANE_WORKER_RESULT_STORE", "cassandra"))
+    # One put's bounds: attempts, pause between them, and the whole budget (lazy open included); it stays
+    # under lease_ms (10 s) minus renew_interval_s, since the lease is no longer renewed during the put.
+    result_put_attempts_max: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_RESULT_PUT_ATTEMPTS_MAX", 3))
+    result_put_backoff_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_RESULT_PUT_BACKOFF_S", 0.2))
+    result_put_deadline_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_RESULT_PUT_DEADLINE_S", 4.0))
     max_output_tokens_max: int = field(default_factory=lambda: _int("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", 4096))
+
+    def __post_init__(self) -> None:
+        if self.result_store not in ("cassandra", "none"):
+            raise ValueError(f"CHATPLANE_WORKER_RESULT_STORE must be cassandra or none, not {self.result_store!r}")
 
     @property
     def group_id(self) -> str:

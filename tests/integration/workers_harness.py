@@ -170,6 +170,9 @@ class WorkerProcess:
             "CHATPLANE_KAFKA_BOOTSTRAP": bootstrap, "CHATPLANE_NAMESPACE": topology.namespace,
             "CHATPLANE_WORKER_ID": self.worker_id, "CHATPLANE_WORKER_RENEW_INTERVAL_S": "0.5",
             "CHATPLANE_WORKER_HEARTBEAT_INTERVAL_S": "0.5", "CHATPLANE_WORKER_SESSION_TIMEOUT_MS": "6000",
+            # No result store unless a test asks (CHATPLANE_WORKER_RESULT_STORE=cassandra + CHATPLANE_CASSANDRA_*):
+            # the default would write to the shared Cassandra's default keyspace.
+            "CHATPLANE_WORKER_RESULT_STORE": "none",
             "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in env.items()},
         }
         self.proc: subprocess.Popen[bytes] | None = None

@@ -1,0 +1,120 @@
+"""Must-show 1 of issue 7 through the HTTP edge, with the real worker process writing the result store.
+
+``python -m workers --engine sim`` (its default Cassandra result sink, on a fresh keyspace) completes a
+non-streaming request; ``python -m projections.readmodel`` projects the ledger. A *second* edge (no
+memory of the first's results) answers a same-key retry and ``GET /v1/generations/{id}`` from
+Cassandra with the stored text; past the TTL the retry is 410 ``result_unavailable`` while status and
+usage are still served. Also: the worker's sink against a Cassandra port where nothing listens gives
+up within its budget without raising (real driver, no mock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+
+import pytest
+
+from projections.cassandra_io import execute
+from projections.readmodel_schema import ReadModelSettings
+from schemas import events as ev
+from schemas.topics import GENERATIONS_TABLE, RESULTS_TABLE
+from tests.integration.readmodel_load import ProjectionProcess
+from tests.integration.test_edge_harness import edge_settings, serve_edge
+from tests.integration.workers_harness import WorkerProcess, ledger_events
+from workers.result_sink import CassandraResultSink
+
+pytestmark = pytest.mark.integration
+
+RESULT_TTL_S = 8  # long enough for two edges and the projection on a shared 2-core machine
+PROJECTED_WAIT_S = 60.0
+POLL_S = 0.1
+HANG_GUARD_S = 60.0
+BODY = {"model": "fast-text-model", "messages": [{"role": "user", "content": "Name three colors."}],
+        "stream": False, "max_output_tokens": 16}
+
+
+async def _wait_projected(session, keyspace: str, gid: str) -> object:
+    deadline = time.monotonic() + PROJECTED_WAIT_S
+    while True:
+        rows = await execute(session, f"SELECT status, output_tokens FROM {keyspace}.{GENERATIONS_TABLE} WHERE generation_id = %s", (gid,))
+        if rows and rows[0].status == "completed":
+            return rows[0]
+        assert time.monotonic() < deadline, f"{gid} not projected as completed"
+        await asyncio.sleep(POLL_S)
+
+
+async def test_same_key_retry_through_a_fresh_edge_returns_text_stored_by_the_worker_then_410(
+    kafka_bootstrap, topology, running_processor, cassandra_session, cassandra_hosts, cassandra_port,
+    fresh_keyspace, tmp_path, monkeypatch,
+):
+    cass_env = {"CHATPLANE_CASSANDRA_HOSTS": ",".join(cassandra_hosts), "CHATPLANE_CASSANDRA_PORT": str(cassandra_port),
+                "CHATPLANE_CASSANDRA_KEYSPACE": fresh_keyspace}
+    for k, v in cass_env.items():  # the in-process edges' ReadModel reads ReadModelSettings() from the env
+        monkeypatch.setenv(k, v)
+    projection = ProjectionProcess(kafka_bootstrap, topology.namespace, tmp_path, **cass_env)
+    worker = WorkerProcess(kafka_bootstrap, topology, tmp_path, engine="sim", CHATPLANE_WORKER_RESULT_STORE="cassandra",
+                           CHATPLANE_RESULT_TTL_S=RESULT_TTL_S, CHATPLANE_SIM_TTFT_MS=10, CHATPLANE_SIM_INTER_TOKEN_MS=5,
+                           **cass_env)
+    projection.start()
+    worker.start()
+    user, key = f"u-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    try:
+        async with serve_edge(edge_settings(kafka_bootstrap, topology, read_model=True)) as first, first.http() as http:
+            r = await http.post("/v1/generations", json=BODY, headers=first.headers(user, key))
+            assert r.status_code == 200, f"{r.text}\nworker log: {worker.log()}"
+            doc = r.json()
+            assert doc["status"] == "completed"
+            gid, text = doc["id"], doc["output"][0]["text"]
+            assert text
+        # The worker stored the text before it reported completion.
+        stored = await execute(cassandra_session, f"SELECT epoch, text, output_tokens FROM {fresh_keyspace}.{RESULTS_TABLE} WHERE generation_id = %s", (gid,))
+        assert [(s.text, s.output_tokens) for s in stored] == [(text, doc["usage"]["output_tokens"])]
+        stored_at = time.monotonic()
+        projected = await _wait_projected(cassandra_session, fresh_keyspace, gid)
+        assert projected.output_tokens == doc["usage"]["output_tokens"]
+
+        async with serve_edge(edge_settings(kafka_bootstrap, topology, read_model=True)) as second, second.http() as http:
+            assert second.app.state.edge.hub.result_of(gid) is None  # nothing in this edge's memory
+            retry = await http.post("/v1/generations", json=BODY, headers=second.headers(user, key))
+            assert retry.status_code == 200, retry.text
+            assert retry.json()["id"] == gid and retry.json()["output"] == [{"type": "text", "text": text}]
+            got = await http.get(f"/v1/generations/{gid}", headers=second.headers(user))
+            assert got.status_code == 200 and got.json()["output"] == [{"type": "text", "text": text}]
+            other = await http.get(f"/v1/generations/{gid}", headers=second.headers("mallory"))
+            assert other.status_code == 404
+
+            await asyncio.sleep(max(0.0, RESULT_TTL_S + 1.0 - (time.monotonic() - stored_at)))
+            expired = await http.post("/v1/generations", json=BODY, headers=second.headers(user, key))
+            assert expired.status_code == 410, expired.text
+            assert expired.json()["error"]["code"] == "result_unavailable"
+            meta = await http.get(f"/v1/generations/{gid}", headers=second.headers(user))
+            # status and usage outlive the content (the edge's GET answers 200 without output)
+            assert meta.status_code == 200, meta.text
+            assert meta.json()["status"] == "completed" and meta.json()["output"] == []
+            assert meta.json()["usage"] == doc["usage"]
+        # inference never reran: one attempt accepted for this generation in the whole ledger
+        events = await ledger_events(kafka_bootstrap, topology, gid)
+        assert sum(isinstance(e, ev.AttemptAccepted) for e in events) == 1
+    finally:
+        worker.stop()
+        projection.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_sink_against_an_unreachable_cassandra_gives_up_within_its_budget():
+    settings = ReadModelSettings(hosts=("127.0.0.1",), port=_free_port(), keyspace="unreachable")
+    sink = CassandraResultSink(settings, attempts_max=3, backoff_s=0.1, deadline_s=2.0)
+    # Neither put raises; the guard only turns a hang into a failure instead of a stuck run.
+    await asyncio.wait_for(sink.put("g-1", 1, "some text", (3, 4)), HANG_GUARD_S)
+    await asyncio.wait_for(sink.put("g-2", 1, "more text", (3, 4)), HANG_GUARD_S)  # the failed open is throttled
+    assert (sink.stats.stored, sink.stats.not_stored) == (0, 2)
+    assert sink.stats.last_error is not None
+    await sink.close()
