@@ -32,6 +32,7 @@ up: venv jars
 	@# ---- components: each starts only once its module exists (python -m <module>) ----------
 	@# The lead adds arguments here as the components land; keep one line per process.
 	@infra/component-start projections projections
+	@infra/component-start readmodel projections.readmodel
 	@infra/component-start workers workers
 	@infra/component-start edge edge
 	@# ---- end of components ------------------------------------------------------------------
@@ -45,6 +46,7 @@ up: venv jars
 down:
 	@infra/component-stop edge
 	@infra/component-stop workers
+	@infra/component-stop readmodel
 	@infra/component-stop projections
 	@if [ -x $(PY) ]; then infra/cassandra-stop; infra/kafka-stop; else echo "no venv: nothing started"; fi
 
