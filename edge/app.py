@@ -38,6 +38,7 @@ from edge.settings import EdgeSettings
 from edge.streams import GenerationView, StreamHub
 from edge.tokens import input_token_counter
 from projections.client import CommandClient
+from schemas.messages import ChatMessage
 from schemas.wire import WIRE_CONTENT_MESSAGE_BYTES_MAX
 
 log = logging.getLogger("chatplane.edge")
@@ -71,6 +72,9 @@ class Edge:
 
     async def start(self) -> None:
         s = self.settings
+        # Load each model's tokenizer now (its vocabulary takes most of a second), not on a request.
+        for alias in s.policy.models:
+            self.count_tokens(alias, (ChatMessage(role="user", content="warm-up"),))
         self.client = CommandClient(
             s.kafka_bootstrap, s.topology, s.inbox_partition, on_message=self.hub.on_message,
             decision_timeout_s=s.decision_timeout_s,

@@ -30,6 +30,8 @@ _RETRY_AFTER_STATUSES = frozenset({429, 503})
 QUOTA_SERVICE_RETRY_AFTER_S = 2
 # Retry-After while this replica drains (the load balancer routes the retry elsewhere).
 DRAINING_RETRY_AFTER_S = 1
+# Retry-After of a 429/503 whose decision carried no delay (every such answer has the header).
+DEFAULT_RETRY_AFTER_S = 1
 
 
 def iso_utc(ms: int) -> str:
@@ -101,9 +103,10 @@ def error_response(err: ApiError, request_id: str) -> Response:
         if retry_after_s is None and err.details.reset_at_ms is not None:
             # quota_exhausted: the window reset is the earliest moment a new request can pass.
             retry_after_s = max(0.0, (err.details.reset_at_ms - _now_ms()) / 1000)
-        if retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
-            details.setdefault("retry_after_ms", int(retry_after_s * 1000))
+        if retry_after_s is None:
+            retry_after_s = DEFAULT_RETRY_AFTER_S
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+        details.setdefault("retry_after_ms", int(retry_after_s * 1000))
     if err.code is RejectionCode.UNAUTHORIZED:
         headers["WWW-Authenticate"] = 'Bearer realm="chatplane"'
     return Response(

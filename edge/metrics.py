@@ -9,6 +9,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from schemas.codes import REJECTIONS
+
+# Every label value a submit decision can count under, exported at 0 from the start so a dashboard
+# shows quota_exhausted, rate_limited, concurrency_limited and capacity_exhausted apart before the
+# first of each happens.
+ADMISSION_LABELS = ("admitted", "existing", *(code.value for code in REJECTIONS))
+SLOW_CONSUMER_LIMITS = ("stream_bytes", "aggregate_bytes", "result_bytes", "result_tokens")
+
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
@@ -55,4 +63,8 @@ class EdgeMetrics:
         self.unhandled_errors = Counter(
             "chatplane_edge_unhandled_errors", "Requests that hit a bug (answered as a typed 503); should stay 0.", registry=r
         )
+        for label in ADMISSION_LABELS:
+            self.admissions.labels(label)
+        for limit in SLOW_CONSUMER_LIMITS:
+            self.slow_consumer_cancels.labels(limit)
         self.draining = Gauge("chatplane_edge_draining", "1 while this edge drains.", registry=r)

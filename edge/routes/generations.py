@@ -266,6 +266,12 @@ async def _collect(edge: Any, request: Request, stream: GenerationStream, header
     code = f.code if status is not RequestStatus.FAILED or f.code else RejectionCode.MODEL_BACKEND_ERROR
     if f.status is RequestStatus.ADMISSION_RETRYABLE:
         code = RejectionCode.CAPACITY_EXHAUSTED
+    if status is RequestStatus.FAILED and code is not None:
+        # No header has gone out yet: the failure is the HTTP answer itself (seed section 5 table:
+        # 502 model_backend_error / 504 generation_timeout; 503 capacity_exhausted when no worker
+        # took it in time, retryable with the same key). The generation id lets the client inspect it.
+        extra = {"generation_id": stream.generation_id, "status": f.status.value, "partial": f.partial}
+        raise ApiError(code, extra=extra)
     view = GenerationView(
         stream.generation_id, stream.user_id, status, stream.model_version, f.input_tokens, f.output_tokens, code, f.partial
     )

@@ -33,7 +33,7 @@ from edge.auth import mint
 from edge.settings import EdgeSettings
 from projections.client import CommandClient
 from schemas import commands as cmd
-from schemas.codes import FinishOutcome, RequestStatus, Tier
+from schemas.codes import FinishOutcome, RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, OutcomeKind, PromptPayload, PromptRequest, TextDelta
 from schemas.topics import Topology
 from schemas.wire import decode_message, encode
@@ -63,6 +63,9 @@ class FakeSimWorker:
     # Optional: the tokens to stream for a given prompt (by default ``tokens`` for every prompt).
     tokens_for: Callable[[PromptPayload], list[str]] | None = None
     slots: int = 64
+    # Optional: after this many deltas the attempt is reported FAILED with ``fail_code``.
+    fail_after_tokens: int | None = None
+    fail_code: RejectionCode = RejectionCode.MODEL_BACKEND_ERROR
     prompts_seen: list[int] = field(default_factory=list)
     accepted: int = 0
     finished: dict[str, FinishOutcome] = field(default_factory=dict)
@@ -150,6 +153,9 @@ class FakeSimWorker:
         sent = 0
         tokens = self.tokens_for(payload) if self.tokens_for is not None else self.tokens
         for i, text in enumerate(tokens):
+            if self.fail_after_tokens is not None and sent >= self.fail_after_tokens:
+                await self._report(d, FinishOutcome.FAILED, sent, error_code=self.fail_code)
+                return
             await asyncio.sleep(self.token_interval_s)
             delta = TextDelta(generation_id=d.generation_id, epoch=d.epoch, sequence=i, index=0, text=text)
             await self.producer.send_and_wait(d.stream_to.topic, encode(delta), partition=d.stream_to.partition)
@@ -161,10 +167,15 @@ class FakeSimWorker:
                     return
         await self._report(d, FinishOutcome.COMPLETED, sent)
 
-    async def _report(self, d: DispatchAuthorized, outcome: FinishOutcome, output_tokens: int) -> None:
+    async def _report(
+        self, d: DispatchAuthorized, outcome: FinishOutcome, output_tokens: int, error_code: RejectionCode | None = None
+    ) -> None:
         self.finished[d.generation_id] = outcome
         await self.client.decide(
-            self._cmd(cmd.ReportAttemptFinished, d, outcome=outcome, input_tokens=d.input_tokens, output_tokens=output_tokens)
+            self._cmd(
+                cmd.ReportAttemptFinished, d, outcome=outcome, input_tokens=d.input_tokens, output_tokens=output_tokens,
+                error_code=error_code,
+            )
         )
 
 
