@@ -2,7 +2,8 @@
 
 Must-show of issue 6: acceptance racing cancel, cancel while running (tokens after the stop, slot
 freed after the acknowledgement), kill -9 mid-stream (model_backend_error, partial, no second
-attempt, lease fencing), and a late report from a fenced epoch dropped and recorded.
+attempt, lease fencing; also through the real HTTP edge to the SSE client), and a late report from a
+fenced epoch dropped and recorded.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import httpx_sse
 import pytest
 
 from projections.audit import read_topic
@@ -19,6 +21,7 @@ from schemas import commands as cmd
 from schemas.messages import OutcomeKind, WorkerHeartbeat
 from schemas.wire import decode_message
 from tests.integration.ledger_harness import wait_until_deciding
+from tests.integration.test_edge_harness import edge_settings, serve_edge
 from tests.integration.workers_harness import (
     TestEdge,
     WorkerProcess,
@@ -33,6 +36,7 @@ from workers.worker import MemoryResultSink, Worker
 pytestmark = pytest.mark.integration
 
 LEASE_MS = 3000
+TERMINAL_EVENTS = ("generation.completed", "generation.cancelled", "generation.error")
 
 
 @pytest.fixture
@@ -205,5 +209,48 @@ async def test_kill9_mid_stream_ends_in_model_backend_error_partial_with_no_seco
         ignored = [e for e in events if isinstance(e, ev.LateReportIgnored) and e.worker_id == proc.worker_id]
         assert ignored and ignored[-1].reason == "fenced_epoch"
         assert not any(isinstance(e, ev.UsageRecorded) and e.output_tokens == 999 for e in events)
+    finally:
+        proc.stop()
+
+
+async def test_kill9_mid_stream_reaches_the_http_client_as_generation_error_partial(
+    kafka_bootstrap, topology, processor, tmp_path
+):
+    """Must-show 3 at the client: the SSE stream of the real edge ends in ``generation.error``
+    (``model_backend_error``, ``partial: true``, ``manual_regenerate``) after the deltas it already had."""
+    proc = WorkerProcess(kafka_bootstrap, topology, tmp_path, engine="sim", CHATPLANE_SIM_TTFT_MS=10,
+                         CHATPLANE_SIM_INTER_TOKEN_MS=50, CHATPLANE_SIM_OUTPUT_TOKENS=2000)
+    proc.start()
+    body = {"model": "fast-text-model", "messages": [{"role": "user", "content": "Name three colors."}],
+            "stream": True, "max_output_tokens": 2000}
+    u = user()
+    try:
+        async with serve_edge(edge_settings(kafka_bootstrap, topology)) as e, e.http() as http:
+            events: list[tuple[str, dict]] = []
+            async with httpx_sse.aconnect_sse(http, "POST", "/v1/generations", json=body,
+                                              headers=e.headers(u, uuid.uuid4().hex)) as es:
+                assert es.response.status_code == 200, await es.response.aread()
+                async for sse in es.aiter_sse():
+                    events.append((sse.event, sse.json()))
+                    if sse.event == "generation.text.delta" and len(events) == 21:
+                        proc.kill9()  # 20 deltas in: the worker dies mid-stream
+            names = [n for n, _ in events]
+            assert names[0] == "generation.created" and names[-1] == "generation.error", (names[-3:], proc.log())
+            assert sum(n in TERMINAL_EVENTS for n in names) == 1
+            err = events[-1][1]
+            assert err["code"] == "model_backend_error" and err["partial"] is True, err
+            assert err["action"] == "manual_regenerate", err
+            deltas = [d for n, d in events if n == "generation.text.delta"]
+            # The partial text the client had stays as it was: contiguous sequences, nothing retracted or redone.
+            assert len(deltas) >= 20 and [d["sequence"] for d in deltas] == list(range(1, len(deltas) + 1))
+            assert "".join(d["delta"] for d in deltas).startswith("sim-token-1 sim-token-2")
+            gid = events[0][1]["generation_id"]
+            got = await http.get(f"/v1/generations/{gid}", headers=e.headers(u))
+            assert got.status_code == 200, got.text
+            doc = got.json()
+            assert doc["status"] == "failed" and doc["partial"] is True, doc
+        events_ = await ledger_events(kafka_bootstrap, topology, gid)
+        assert any(isinstance(x, ev.AttemptFenced) and x.epoch == 1 for x in events_)
+        assert sum(isinstance(x, ev.AttemptAccepted) for x in events_) == 1  # no second attempt
     finally:
         proc.stop()
