@@ -4,8 +4,10 @@
     python -m schemas.export --check    # exit 1 if a committed file is missing or out of date
 
 One file per family returned by ``schemas.wire.json_schemas()``: ``commands.json``,
-``ledger_events.json``, ``messages.json`` and ``ledger_entry.json``. The files are generated; edit
-the dataclasses in ``schemas/`` and re-run this instead of editing them by hand.
+``ledger_events.json``, ``messages.json`` and ``ledger_entry.json``; and ``usage.json``, the record
+on the USAGE topic for analysts (a ``UsageRecorded`` event, exactly as the ledger carries it; see
+docs/readmodels.md). The files are generated; edit the dataclasses in ``schemas/`` and re-run this
+instead of editing them by hand.
 """
 
 from __future__ import annotations
@@ -15,16 +17,32 @@ import json
 import sys
 from pathlib import Path
 
+from pydantic import TypeAdapter
+
+from schemas.events import UsageRecorded
 from schemas.wire import json_schemas
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "docs" / "schemas"
 
 
+def usage_schema() -> dict:
+    """The USAGE topic's record (key: user_id; value: one ``UsageRecorded`` per (generation, epoch))."""
+    schema = TypeAdapter(UsageRecorded).json_schema()
+    schema["description"] = (
+        "One record per (generation_id, epoch) on the chatplane.usage topic (key: user_id), the same "
+        "UsageRecorded event the ledger holds; readers de-duplicate by (generation_id, epoch). "
+        "The quota window is window_start_ms (its length is the policy's window). "
+        + (schema.get("description") or "")
+    ).strip()
+    return schema
+
+
 def rendered() -> dict[str, str]:
     """File name -> the exact text to commit (sorted keys, two-space indent, trailing newline)."""
+    families = {**json_schemas(), "usage": usage_schema()}
     return {
         f"{family}.json": json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-        for family, schema in json_schemas().items()
+        for family, schema in families.items()
     }
 
 

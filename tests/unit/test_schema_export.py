@@ -27,3 +27,12 @@ def test_check_mode_reports_a_stale_file(tmp_path: Path) -> None:
     (tmp_path / "commands.json").write_text("{}\n", encoding="utf-8")
     assert export.stale(tmp_path) == ["commands.json"]
     assert export.main(["--check", "--dir", str(tmp_path)]) == 1
+
+
+def test_usage_schema_has_the_fields_analysts_need() -> None:
+    schema = json.loads((export.DEFAULT_DIR / "usage.json").read_text(encoding="utf-8"))
+    needed = {"generation_id", "epoch", "user_id", "input_tokens", "output_tokens", "terminal_reason",
+              "model_version", "tier", "window_start_ms", "occurred_at_ms"}
+    assert needed <= set(schema["properties"])
+    assert needed <= set(schema["required"]) | {"type"}
+    assert schema["properties"]["type"]["const"] == "UsageRecorded"
