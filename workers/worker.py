@@ -63,6 +63,7 @@ DRAIN_TIMEOUT_S = 30.0  # on shutdown, running attempts get this long before the
 TOKENS_PER_S_WINDOW_S = 10.0  # the heartbeat's measured rate is over this trailing window
 TOKEN_RATE_SAMPLES_MAX = 10_000
 PRODUCER_LINGER_MS = 0
+COMMIT_ON_STOP_TIMEOUT_S = 5.0  # the last dispatch offsets are committed on shutdown within this long
 
 
 def now_ms() -> int:
@@ -188,6 +189,8 @@ class Worker:
         self._prompts: dict[tuple[str, int], asyncio.Future[PromptPayload]] = {}
         self._token_samples: collections.deque[tuple[float, int]] = collections.deque(maxlen=TOKEN_RATE_SAMPLES_MAX)
         self._offsets = _OffsetTracker()
+        self._to_commit: dict[TopicPartition, int] = {}  # the newest offset per partition not yet committed
+        self._commit_wanted = asyncio.Event()
         self._taken = {"paid": 0, "free": 0}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []
@@ -231,6 +234,7 @@ class Worker:
             asyncio.create_task(self._control_loop(), name="worker-control"),
             asyncio.create_task(self._dispatch_loop(), name="worker-dispatch"),
             asyncio.create_task(self._heartbeat_loop(), name="worker-heartbeat"),
+            asyncio.create_task(self._commit_loop(), name="worker-commit"),
         ]
         log.info("worker %s ready: pool=%s engine=%s slots=%d control=%d", s.worker_id, s.pool, self.engine.name,
                  self.slots, self.control.partition)
@@ -252,6 +256,8 @@ class Worker:
         for task in [*self._loops, *self._tasks]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._commit_pending(), COMMIT_ON_STOP_TIMEOUT_S)
         for closeable in (self.dispatch_consumer, self.control_consumer, self.producer):
             if closeable is not None:
                 with contextlib.suppress(Exception):
@@ -387,16 +393,41 @@ class Worker:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _commit(self, tp: TopicPartition, offset: int) -> None:
+    def _commit(self, tp: TopicPartition, offset: int) -> None:
+        """Mark a dispatch settled (accepted or declined); ``_commit_loop`` commits it off the attempt's
+        path, so the engine starts without waiting for the group coordinator."""
         commit = self._offsets.done(tp, offset)
-        if commit is None or self.dispatch_consumer is None:
+        if commit is None:
+            return
+        self._to_commit[tp] = max(commit, self._to_commit.get(tp, -1))
+        self._commit_wanted.set()
+
+    async def _commit_pending(self) -> None:
+        if not self._to_commit or self.dispatch_consumer is None:
+            return
+        assigned = self.dispatch_consumer.assignment()
+        offsets = {tp: o for tp, o in self._to_commit.items() if tp in assigned}  # revoked: not ours to commit
+        self._to_commit = {tp: o for tp, o in self._to_commit.items() if tp in offsets}
+        if not offsets:
             return
         try:
-            await self.dispatch_consumer.commit({tp: commit})
+            await self.dispatch_consumer.commit(offsets)
         except (CommitFailedError, KafkaError) as exc:
             # A rebalance moved the partition: the dispatch may be redelivered; the processor's
             # acceptance check makes a second accept of the same epoch a no-op or a rejection.
             log.warning("dispatch offset commit failed: %s", type(exc).__name__)
+        # Done with these (committed or given up as above); a newer offset that arrived meanwhile stays.
+        # Cancelled mid-commit (shutdown), they stay for the last commit in stop().
+        for tp, offset in offsets.items():
+            if self._to_commit.get(tp) == offset:
+                del self._to_commit[tp]
+
+    async def _commit_loop(self) -> None:
+        """One commit at a time, in order, of the newest settled offset per partition."""
+        while True:
+            await self._commit_wanted.wait()
+            self._commit_wanted.clear()
+            await self._commit_pending()
 
     def _free_slot(self, trace: AttemptTrace | None) -> None:
         self.free_slots += 1
@@ -417,11 +448,15 @@ class Worker:
                 d = None
             if not isinstance(d, DispatchAuthorized):
                 return
+            if (d.generation_id, d.epoch) in self.active:
+                # Redelivered (a commit lost to a rebalance) while it runs here: it is already ours.
+                log.info("dispatch %s epoch %d redelivered while running here: skipped", d.generation_id, d.epoch)
+                return
             trace = AttemptTrace(d.generation_id, d.epoch)
             self.traces[(d.generation_id, d.epoch)] = trace
             payload = await self._prepare(d, trace)
             self.preparing -= 1
-            await self._commit(tp, offset)
+            self._commit(tp, offset)
             committed = True
             if payload is not None:
                 await self._run(d, payload, trace)
@@ -430,7 +465,7 @@ class Worker:
         finally:
             if not committed:
                 self.preparing -= 1
-                await self._commit(tp, offset)
+                self._commit(tp, offset)
             self._free_slot(trace)
             if trace is not None and self.on_trace is not None:
                 self.on_trace(trace)

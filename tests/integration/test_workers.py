@@ -254,3 +254,21 @@ async def test_kill9_mid_stream_reaches_the_http_client_as_generation_error_part
         assert sum(isinstance(x, ev.AttemptAccepted) for x in events_) == 1  # no second attempt
     finally:
         proc.stop()
+
+
+async def test_settled_dispatches_are_committed_so_the_next_worker_of_the_group_does_not_see_them(
+    kafka_bootstrap, topology, edge
+):
+    settings = worker_settings(kafka_bootstrap, topology)
+    async with sim_worker(kafka_bootstrap, topology) as first:
+        gids = [await edge.submit(user()) for _ in range(3)]
+        for g in gids:
+            assert (await edge.wait_finalized(g)).status is RequestStatus.COMPLETED
+        assert {k[0] for k in first.traces} == set(gids)
+    # Same consumer group, fresh process state: only a new dispatch reaches it.
+    cfg = SimConfig(ttft_ms=20, inter_token_ms=10, jitter_ms=1, output_tokens=12)
+    async with Worker(settings, SimulatedEngine(cfg), served("sim")) as second:
+        fresh = await edge.submit(user())
+        assert (await edge.wait_finalized(fresh)).status is RequestStatus.COMPLETED
+        await asyncio.sleep(1.0)
+        assert {k[0] for k in second.traces} == {fresh}
