@@ -192,6 +192,10 @@ class StreamHub:
             return
         if not stream.first_delta_seen:
             stream.first_delta_seen = True
+            # A worker streams only after its acceptance committed: the generation is running.
+            view = self.recent.get(stream.generation_id)
+            if view is not None and view.status is RequestStatus.QUEUED:
+                view.status = RequestStatus.RUNNING
             now = time.monotonic()
             self.metrics.first_token.observe(now - stream.received_s)
             self.metrics.queue_age.observe(now - stream.admitted_s)

@@ -1,8 +1,9 @@
 """SIGTERM during 20 live streams (``python -m edge`` as a process, the real processor, a fake worker).
 
-Readiness fails first, new submissions are refused, each held stream gets exactly one terminal event
-(here the drain deadline is short, so ``generation.cancelled``), the process exits 0, and the ledger
-shows every generation settled: none is left running.
+Readiness fails first, new submissions are refused, each held stream gets exactly one terminal event:
+the short generations finish inside the drain deadline (``generation.completed``), the long ones
+are cancelled at it (``generation.cancelled``); the process exits 0, and the ledger shows every
+generation settled: none is left running.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from tests.integration.test_edge_harness import FakeSimWorker, edge_process_fact
 pytestmark = pytest.mark.integration
 
 STREAMS = 20
+SHORT = 10  # streams 0..9 need about 5 s (inside the drain deadline), the rest about 30 s
+SHORT_TOKENS = 100
+LONG_TOKENS = 600
+DRAIN_DEADLINE_S = 12
 TERMINALS = ("generation.completed", "generation.cancelled", "generation.error")
 
 
@@ -32,11 +37,18 @@ def body(i: int) -> dict:
 async def test_sigterm_during_20_live_streams_ends_each_with_a_terminal_event(
     kafka_bootstrap, topology, running_processor, edge_process_factory
 ):
-    edge = edge_process_factory(CHATPLANE_EDGE_DRAIN_DEADLINE_S="2", CHATPLANE_EDGE_DRAIN_CANCEL_WAIT_S="10")
+    edge = edge_process_factory(CHATPLANE_EDGE_DRAIN_DEADLINE_S=str(DRAIN_DEADLINE_S), CHATPLANE_EDGE_DRAIN_CANCEL_WAIT_S="10")
     users = [f"d{i}-{uuid.uuid4().hex[:6]}" for i in range(STREAMS)]
     first_delta = asyncio.Event()
     seen = 0
-    async with FakeSimWorker(kafka_bootstrap, topology, tokens=[f"w{i} " for i in range(600)], token_interval_s=0.05):
+
+    def tokens_for(payload):
+        n = SHORT_TOKENS if int(payload.messages[0].content[1:]) < SHORT else LONG_TOKENS
+        return [f"w{i} " for i in range(n)]
+
+    terminal_after_signal: list[str] = []
+    signalled = False
+    async with FakeSimWorker(kafka_bootstrap, topology, tokens_for=tokens_for, token_interval_s=0.05, renew_every_tokens=20):
         await edge.start()
         async with edge.http() as http:
 
@@ -48,6 +60,8 @@ async def test_sigterm_during_20_live_streams_ends_each_with_a_terminal_event(
                     got_delta = False
                     async for sse in es.aiter_sse():
                         events.append((sse.event, sse.json()))
+                        if sse.event in TERMINALS and signalled:
+                            terminal_after_signal.append(sse.event)
                         if sse.event == "generation.text.delta" and not got_delta:
                             got_delta = True
                             seen += 1
@@ -57,6 +71,7 @@ async def test_sigterm_during_20_live_streams_ends_each_with_a_terminal_event(
 
             tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
             await asyncio.wait_for(first_delta.wait(), 60)
+            signalled = True
             edge.signal(signal.SIGTERM)
             # Readiness fails first, and new streams are refused while the old ones run on.
             for _ in range(50):
@@ -71,12 +86,16 @@ async def test_sigterm_during_20_live_streams_ends_each_with_a_terminal_event(
             results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         assert await edge.wait(60) == 0
     gids = set()
-    for events in results:
+    for i, events in enumerate(results):
         names = [n for n, _ in events]
         assert names[0] == "generation.created"
         assert sum(n in TERMINALS for n in names) == 1 and names[-1] in TERMINALS, names[-3:]
+        # Existing streams run on until the deadline; the rest are cancelled at it.
+        assert names[-1] == ("generation.completed" if i < SHORT else "generation.cancelled"), (i, names[-3:])
         gids.add(events[0][1]["generation_id"])
     assert len(gids) == STREAMS
+    # Completions arrived while the edge was draining, not only before the signal.
+    assert "generation.completed" in terminal_after_signal
     # No generation left running: every admitted one has a terminal ledger event.
     settled = set()
     for _p, _o, _k, value in await read_topic(kafka_bootstrap, topology.ledger):

@@ -80,6 +80,12 @@ async def test_same_key_while_running_is_in_progress_and_other_content_is_a_conf
             assert err["generation_id"] == gid and err["status"] == "running"
             other = await http.post("/v1/generations", json=body("another story", True), headers=e.headers(user, "k"))
             typed(other, RejectionCode.IDEMPOTENCY_CONFLICT)
+            # Another principal cannot cancel it, and is told exactly what an unknown id gets.
+            foreign = await http.post(f"/v1/generations/{gid}/cancel", headers=e.headers("someone-else"))
+            unknown = await http.post(f"/v1/generations/{uuid.uuid4().hex}/cancel", headers=e.headers("someone-else"))
+            typed(foreign, RejectionCode.NOT_FOUND)
+            assert foreign.json()["error"]["details"] == unknown.json()["error"]["details"] == {}
+            assert (await http.get(f"/v1/generations/{gid}", headers=e.headers(user))).json()["status"] == "running"
             assert (await http.post(f"/v1/generations/{gid}/cancel", headers=e.headers(user))).status_code in (200, 202)
             async for sse in it:
                 events.append((sse.event, sse.json()))
