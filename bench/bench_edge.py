@@ -63,6 +63,17 @@ def pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (/proc/<pid>/stat, clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.1f} / {five:.1f} on {os.cpu_count()} CPUs"
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -183,7 +194,11 @@ async def bench_admission(bootstrap: str, rate: float, seconds: float) -> None:
             finally:
                 writer.close()
 
+        assert edge.proc is not None
+        cpu0, wall0 = cpu_s(edge.proc.pid), time.perf_counter()
         await paced(rate, seconds, one)
+        edge_cpu = cpu_s(edge.proc.pid) - cpu0
+        wall = time.perf_counter() - wall0
         within = sum(1 for x in latencies if x <= TYPED_DECISION_S) / max(1, len(latencies))
         ms = lambda x: f"{x * 1000:.1f} ms"  # noqa: E731
         print(f"  baseline CommandClient submit -> decision : p50 {ms(pct(base, 50))}  p99 {ms(pct(base, 99))}  (n={len(base)})")
@@ -191,6 +206,8 @@ async def bench_admission(bootstrap: str, rate: float, seconds: float) -> None:
         print(f"  edge added over the baseline           : p50 {ms(pct(latencies, 50) - pct(base, 50))}  p99 {ms(pct(latencies, 99) - pct(base, 99))}")
         print(f"  typed decision within 500 ms            : {within * 100:.2f} % of {len(latencies)} measured requests")
         print(f"  outcomes                                : {dict(sorted(outcomes.items()))}")
+        print(f"  edge process CPU                        : {edge_cpu:.1f} s over {wall:.1f} s ({edge_cpu / max(1, n) * 1000:.2f} ms per request)")
+        print(f"  machine                                 : {load()}")
 
 
 # --- 2. held streams -----------------------------------------------------------------------------
@@ -242,6 +259,7 @@ async def bench_streams(bootstrap: str, streams: int, hold_s: float) -> None:
         print(f"  edge RSS idle {before / 2**20:.0f} MiB -> held {after / 2**20:.0f} MiB (peak {peak / 2**20:.0f} MiB; target <= 1536 MiB at 10,000)")
         print(f"  bytes per held stream                   : {per / 1024:.1f} KiB")
         print(f"  streams that received a heartbeat       : {with_hb}/{opened}  (edge active_streams gauge {active})")
+        print(f"  machine                                 : {load()}")
 
 
 async def open_streams(port: int, requests: list[bytes]) -> list:
@@ -306,6 +324,8 @@ async def bench_deltas(bootstrap: str, n_streams: int, rate: float, seconds: flo
         tick_s = 0.01
         per_tick = max(1, int(rate * tick_s))
         seq = [0] * n_streams
+        assert edge.proc is not None
+        cpu0 = cpu_s(edge.proc.pid)
         t0 = time.perf_counter()
         sent = 0
         pad = "x" * 12
@@ -326,6 +346,7 @@ async def bench_deltas(bootstrap: str, n_streams: int, rate: float, seconds: flo
         while sum(len(r) for r in received) < total and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         got = sum(len(r) for r in received)
+        edge_cpu = cpu_s(edge.proc.pid) - cpu0
         await producer.stop()
         async with httpx.AsyncClient(base_url=edge.url) as http:
             metrics = (await http.get("/metrics")).text
@@ -343,6 +364,8 @@ async def bench_deltas(bootstrap: str, n_streams: int, rate: float, seconds: flo
         print(f"  publish -> SSE client receipt            : p50 {ms(pct(warm, 50))}  p99 {ms(pct(warm, 99))}")
         print(f"  edge added over the baseline             : p50 {ms(pct(warm, 50) - pct(base, 50))}  p99 {ms(pct(warm, 99) - pct(base, 99))} (target p99 <= 50 ms)")
         print(f"  slow-consumer cancels                    : {slow:.0f}")
+        print(f"  edge process CPU                         : {edge_cpu:.1f} s for {got} deltas ({got / max(1e-9, edge_cpu):.0f} deltas per edge CPU-second)")
+        print(f"  machine                                  : {load()}")
 
 
 async def kafka_floor(bootstrap: str, topology: Topology, rate: float, seconds: float) -> list[float]:

@@ -167,6 +167,8 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
         raise ApiError(RejectionCode.CAPACITY_EXHAUSTED, retry_after_s=DRAINING_RETRY_AFTER_S)
     body = await _read_body(request, settings.request_body_bytes_max)
     req = _parse(body)
+    if len(req.messages) > settings.messages_count_max:
+        raise ApiError(RejectionCode.INVALID_REQUEST, field="messages", details=RejectionDetails(limit=settings.messages_count_max))
     if req.messages[-1].role != "user":
         raise ApiError(RejectionCode.INVALID_REQUEST, field=f"messages.{len(req.messages) - 1}.role")
     model = settings.policy.models.get(req.model)

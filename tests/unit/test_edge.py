@@ -138,6 +138,15 @@ async def test_input_tokens_are_bounded_with_the_limit_in_details():
     assert fake.commands == []
 
 
+async def test_message_count_is_bounded_by_its_setting():
+    settings, _, fake, http = make(messages_count_max=2)
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    async with http:
+        r = await http.post("/v1/generations", json={**BODY, "messages": turns}, headers=hdrs(settings))
+    assert assert_typed(r, RejectionCode.INVALID_REQUEST)["details"] == {"field": "messages", "limit": 2}
+    assert fake.commands == []
+
+
 @pytest.mark.parametrize("key", [None, "", "x" * 256, "a\tb"])
 async def test_idempotency_key_is_required_and_bounded(key):
     settings, _, fake, http = make()
