@@ -713,7 +713,7 @@ def create_topics(cfg: Config) -> None:
                             s.name,
                             s.partitions,
                             cfg.kafka_replication,
-                            topic_configs={"retention.ms": str(s.retention_ms), "cleanup.policy": s.cleanup_policy},
+                            topic_configs=s.configs(),
                         )
                         for s in missing
                     ],
@@ -739,7 +739,7 @@ def create_topics(cfg: Config) -> None:
                             ConfigResource(
                                 ConfigResourceType.TOPIC,
                                 s.name,
-                                configs={"retention.ms": str(s.retention_ms), "cleanup.policy": s.cleanup_policy},
+                                configs=s.configs(),
                             )
                         ]
                     )

@@ -35,7 +35,7 @@ async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec], replication_
                         s.name,
                         s.partitions,
                         replication_factor,
-                        topic_configs={"retention.ms": str(s.retention_ms), "cleanup.policy": s.cleanup_policy},
+                        topic_configs=s.configs(),
                     )
                     for s in missing
                 ],

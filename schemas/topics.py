@@ -15,6 +15,7 @@ Data flow (DESIGN section 2)::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -33,23 +34,58 @@ HOUR_MS = 3600 * 1000
 
 @dataclass(frozen=True, slots=True)
 class TopicSpec:
-    """One topic: its name, partition count, retention and cleanup policy."""
+    """One topic: its name, partition count, retention and cleanup policy (docs/retention.md).
+
+    Kafka deletes (or compacts) whole closed segments only, so ``retention.ms`` alone does not bound
+    how long a record stays on a quiet topic: the active segment rolls after ``segment.ms`` (broker
+    default 7 days). Topics whose retention is a promise about content or fingerprints set
+    ``segment_ms``; a record is then gone within retention_ms + segment_ms + the broker's
+    ``log.retention.check.interval.ms``. The compacted changelog sets ``max_compaction_lag_ms`` so a
+    superseded value (e.g. a state that still held a purged request's fingerprint) is compacted away
+    within that lag (plus the cleaner's run).
+    """
 
     name: str
     partitions: int
     retention_ms: int
     cleanup_policy: str = "delete"
+    segment_ms: int | None = None
+    max_compaction_lag_ms: int | None = None
+
+    def configs(self) -> dict[str, str]:
+        """The topic configs to create it with (and re-apply to an existing topic)."""
+        out = {"retention.ms": str(self.retention_ms), "cleanup.policy": self.cleanup_policy}
+        if self.segment_ms is not None:
+            out["segment.ms"] = str(self.segment_ms)
+        if self.max_compaction_lag_ms is not None:
+            out["max.compaction.lag.ms"] = str(self.max_compaction_lag_ms)
+        return out
 
 
-COMMANDS = TopicSpec("chatplane.commands", USER_PARTITIONS, 7 * DAY_MS)
+MINUTE_MS = 60 * 1000
+# Segment roll of the short-lived content topics: a record is deleted within retention + this + the
+# broker's retention check interval (docs/retention.md).
+CONTENT_SEGMENT_MS = 10 * MINUTE_MS
+# Segment roll of the topics that hold fingerprints for days (commands, dead letter).
+FINGERPRINT_SEGMENT_MS = 1 * DAY_MS
+# The changelog's superseded values (with purged requests' fingerprints) are compacted within this.
+CHANGELOG_MAX_COMPACTION_LAG_MS = 1 * DAY_MS
+
+# Holds SubmitGeneration fingerprints (no prompt text): kept a week for replay after an outage.
+COMMANDS = TopicSpec("chatplane.commands", USER_PARTITIONS, 7 * DAY_MS, segment_ms=FINGERPRINT_SEGMENT_MS)
 LEDGER = TopicSpec("chatplane.ledger", USER_PARTITIONS, -1)  # the audit record: kept (see docs/retention.md)
 USAGE = TopicSpec("chatplane.usage", USER_PARTITIONS, 400 * DAY_MS)
 # Carries prompt payloads from edges to workers: short retention by design.
-WORKER_CONTROL = TopicSpec("chatplane.worker-control", WORKER_CONTROL_PARTITIONS, 1 * HOUR_MS)
+WORKER_CONTROL = TopicSpec(
+    "chatplane.worker-control", WORKER_CONTROL_PARTITIONS, 1 * HOUR_MS, segment_ms=CONTENT_SEGMENT_MS
+)
 # Holds generated text in flight: short retention by design.
-EDGE_INBOX = TopicSpec("chatplane.edge-inbox", EDGE_INBOX_PARTITIONS, 1 * HOUR_MS)
+EDGE_INBOX = TopicSpec("chatplane.edge-inbox", EDGE_INBOX_PARTITIONS, 1 * HOUR_MS, segment_ms=CONTENT_SEGMENT_MS)
 CAPACITY = TopicSpec("chatplane.capacity", CAPACITY_PARTITIONS, 1 * HOUR_MS)
-DEAD_LETTER = TopicSpec("chatplane.dead-letter", DEAD_LETTER_PARTITIONS, 14 * DAY_MS)
+# Up to 4 KiB of an undecodable record (which may be a command or ledger entry with a fingerprint).
+DEAD_LETTER = TopicSpec(
+    "chatplane.dead-letter", DEAD_LETTER_PARTITIONS, 14 * DAY_MS, segment_ms=FINGERPRINT_SEGMENT_MS
+)
 
 # Model pools and tiers: one dispatch topic per (pool, tier).
 POOLS = ("default",)
@@ -98,7 +134,7 @@ class Topology:
     def _spec(self, spec: TopicSpec) -> TopicSpec:
         if not self.namespace:
             return spec
-        return TopicSpec(f"{self.namespace}.{spec.name}", spec.partitions, spec.retention_ms, spec.cleanup_policy)
+        return dataclasses.replace(spec, name=f"{self.namespace}.{spec.name}")
 
     @property
     def commands(self) -> TopicSpec:
@@ -138,7 +174,8 @@ class Topology:
     @property
     def changelog(self) -> TopicSpec:
         return TopicSpec(
-            f"{self.processor_app_id}-{USER_TO_LEDGER_TABLE}-changelog", USER_PARTITIONS, -1, cleanup_policy="compact"
+            f"{self.processor_app_id}-{USER_TO_LEDGER_TABLE}-changelog", USER_PARTITIONS, -1, cleanup_policy="compact",
+            max_compaction_lag_ms=CHANGELOG_MAX_COMPACTION_LAG_MS,
         )
 
     def all(self) -> tuple[TopicSpec, ...]:
