@@ -196,8 +196,11 @@ class GenerationReader:
         await self.results.prepare()
 
     async def _bounded(self, coro: Any) -> Any:
+        # asyncio.timeout, not wait_for: no extra task per read, and a caller that cancels the read
+        # (its own deadline) leaves no orphaned task whose driver error nobody retrieves.
         try:
-            return await asyncio.wait_for(coro, self.deadline_s)
+            async with asyncio.timeout(self.deadline_s):
+                return await coro
         except TimeoutError as exc:
             raise ReadModelUnavailable(f"no answer from Cassandra within {self.deadline_s}s") from exc
         except (ReadModelUnavailable, ResultUnavailable):
