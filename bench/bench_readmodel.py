@@ -445,9 +445,20 @@ async def bench_get(bootstrap: str, topology: Topology, settings: ReadModelSetti
             ("GenerationReader.get (metadata + result, owner-checked, this process)", via_reader),
             (f"HTTP GET /v1/generations/{{id}} via python -m edge ({HTTP_CONNECTIONS} keep-alive conns)", via_http),
         ]
+        async def http_healthz(i: int) -> None:  # HTTP + FastAPI only: no token, no Cassandra
+            status, _ = await pool.get("/healthz", {})
+            assert status == 200
+
+        async def http_unknown(i: int) -> None:  # + token check + one metadata read (404)
+            user, _gid = picks[i]
+            status, _ = await pool.get(f"/v1/generations/no-such-{i}", tokens[user])
+            assert status == 404
+
         await closed_loop(via_http, 200, HTTP_CONNECTIONS)  # warm-up: the edge opens its Cassandra session lazily
         print(f"get: capacity, closed loop ({CAPACITY_CALLS} calls, {CAPACITY_IN_FLIGHT} in flight)")
-        for name, fn in variants:
+        breakdown = [("  (edge breakdown) HTTP GET /healthz: no token, no Cassandra", http_healthz),
+                     ("  (edge breakdown) HTTP GET unknown id: token + 1 read -> 404", http_unknown)]
+        for name, fn in [*variants, *breakdown]:
             bad.clear()
             cps, err = await closed_loop(fn, CAPACITY_CALLS, CAPACITY_IN_FLIGHT)
             print(f"  {name}: {cps:,.0f}/s  errors {err}")
