@@ -121,6 +121,8 @@ def test_settings_select_the_sink(monkeypatch):
     from workers.__main__ import build_result_sink
     from workers.worker import NullResultSink
 
+    monkeypatch.delenv("CHATPLANE_WORKER_RESULT_STORE", raising=False)
+    assert isinstance(build_result_sink(WorkerSettings()), CassandraResultSink)  # the default of python -m workers
     monkeypatch.setenv("CHATPLANE_WORKER_RESULT_STORE", "none")
     assert isinstance(build_result_sink(WorkerSettings()), NullResultSink)
     monkeypatch.setenv("CHATPLANE_WORKER_RESULT_STORE", "cassandra")
