@@ -11,7 +11,8 @@ edge process (``python -m edge``), all on this machine, and stops them afterward
    p50/p99 of POST sent -> ``generation.created`` read by the client, and the share of requests that
    got a typed decision (created event or typed error) within 500 ms. Baseline in the same run: the
    processor's own submit -> decision round trip through ``CommandClient`` at the same rate, so the
-   edge's added latency is the difference.
+   edge's added latency is the difference. Queue deadlines and disconnect cancels are moved past the
+   run, so both phases cost the processor one command per request.
 2. streams: --streams SSE streams admitted and held open (their generations stay queued: the queue
    deadline is raised for the run) while heartbeats flow for --hold-s; the edge's RSS before and
    after, bytes per stream, and how many streams saw a heartbeat.
@@ -54,6 +55,7 @@ TYPED_DECISION_S = 0.5
 WARMUP_S = 2.0
 LONG_QUEUE_MS = 900_000  # streams and deltas runs: generations stay queued (no worker) while held
 CONNECT_CONCURRENCY_MAX = 400
+ADMISSION_DISCONNECT_GRACE_S = 600  # admission run: disconnect cancels come after the measurement
 
 
 def pct(values: list[float], p: float) -> float:
@@ -155,7 +157,12 @@ async def paced(rate: float, seconds: float, fn) -> None:
 
 async def bench_admission(bootstrap: str, rate: float, seconds: float) -> None:
     print(f"\n== admission: streaming POST -> generation.created at {rate:.0f}/s for {seconds:.0f} s")
-    async with stack(bootstrap) as (topology, _processor, edge):
+    # Both phases must cost the processor the same: one SubmitGeneration each. So nothing admitted
+    # expires in the window (the baseline's generations would hit their queue deadline during the
+    # edge phase) and the edge's disconnect cancels (the client closes after generation.created)
+    # fall after it.
+    env = {"CHATPLANE_QUEUE_WAIT_MAX_MS": str(LONG_QUEUE_MS), "CHATPLANE_EDGE_DISCONNECT_GRACE_S": str(ADMISSION_DISCONNECT_GRACE_S)}
+    async with stack(bootstrap, **env) as (topology, _processor, edge):
         base = await baseline_decisions(bootstrap, topology, rate, seconds)
         n = int(rate * seconds)
         requests = [raw_request(edge, f"adm-{i}-{uuid.uuid4().hex[:4]}", i) for i in range(n)]
@@ -199,6 +206,14 @@ async def bench_admission(bootstrap: str, rate: float, seconds: float) -> None:
         await paced(rate, seconds, one)
         edge_cpu = cpu_s(edge.proc.pid) - cpu0
         wall = time.perf_counter() - wall0
+        async with httpx.AsyncClient(base_url=edge.url) as http:
+            metrics = (await http.get("/metrics")).text
+        # The edge's own view (request received -> decision), to tell edge time from client time.
+        buckets = {
+            line.split('le="')[1].split('"')[0]: float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("chatplane_edge_decision_seconds_bucket")
+        }
         within = sum(1 for x in latencies if x <= TYPED_DECISION_S) / max(1, len(latencies))
         ms = lambda x: f"{x * 1000:.1f} ms"  # noqa: E731
         print(f"  baseline CommandClient submit -> decision : p50 {ms(pct(base, 50))}  p99 {ms(pct(base, 99))}  (n={len(base)})")
@@ -206,6 +221,9 @@ async def bench_admission(bootstrap: str, rate: float, seconds: float) -> None:
         print(f"  edge added over the baseline           : p50 {ms(pct(latencies, 50) - pct(base, 50))}  p99 {ms(pct(latencies, 99) - pct(base, 99))}")
         print(f"  typed decision within 500 ms            : {within * 100:.2f} % of {len(latencies)} measured requests")
         print(f"  outcomes                                : {dict(sorted(outcomes.items()))}")
+        total_decided = buckets.get("+Inf", 0.0) or 1.0
+        shares = "  ".join(f"<= {le} s: {buckets[le] / total_decided * 100:.1f} %" for le in ("0.05", "0.1", "0.5") if le in buckets)
+        print(f"  edge's own received -> decision         : {shares}  (n={total_decided:.0f}, /metrics histogram)")
         print(f"  edge process CPU                        : {edge_cpu:.1f} s over {wall:.1f} s ({edge_cpu / max(1, n) * 1000:.2f} ms per request)")
         print(f"  machine                                 : {load()}")
 
