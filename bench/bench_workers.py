@@ -72,18 +72,44 @@ async def ttft_under_load(bootstrap: str, topo: Topology, edge: TestEdge, concur
             return gid
 
         gids = await asyncio.gather(*(one(u) for u in users))
-        await edge.wait_for(lambda: all(g in edge.finalized for g in gids), WAIT_S, "all finalized")
+        await wait_all_finalized(edge, worker, gids)
         print(f"\n== sim: burst of {concurrency} simultaneous submits (engine TTFT configured {cfg.ttft_ms:.0f} ms, "
               f"{cfg.inter_token_ms:.0f} ms/token) ==")
         print(f"{'outcomes':<44} {outcomes(edge, gids)}")
-        gids = [g for g in gids if edge.finalized[g].status is RequestStatus.COMPLETED and g in edge.first_delta_at]
+        gids = [g for g in gids if g in edge.finalized and edge.finalized[g].status is RequestStatus.COMPLETED
+                and g in edge.first_delta_at]
         ttft_breakdown(worker, edge, gids, sent)
 
 
 def outcomes(edge: TestEdge, gids: list[str]) -> dict[str, int]:
-    return dict(collections.Counter(
-        edge.finalized[g].status.value + (f":{edge.finalized[g].code.value}" if edge.finalized[g].code else "") for g in gids
-    ))
+    def one(g: str) -> str:
+        f = edge.finalized.get(g)
+        if f is None:
+            return f"not finalized in {WAIT_S:.0f} s"
+        return f.status.value + (f":{f.code.value}" if f.code else "")
+
+    return dict(collections.Counter(one(g) for g in gids))
+
+
+async def wait_all_finalized(edge: TestEdge, worker: Worker, gids: list[str]) -> None:
+    """Wait (bounded by WAIT_S) for every generation's finalization; say where the missing ones are."""
+    try:
+        await edge.wait_for(lambda: all(g in edge.finalized for g in gids), WAIT_S, "all finalized")
+    except AssertionError:
+        missing = [g for g in gids if g not in edge.finalized]
+        where = collections.Counter(
+            "never dispatched here" if (g, 1) not in worker.traces else
+            f"declined:{worker.traces[(g, 1)].declined}" if worker.traces[(g, 1)].declined else
+            f"outcome:{worker.traces[(g, 1)].outcome} report:{getattr(worker.traces[(g, 1)].report, 'kind', None)}"
+            for g in missing
+        )
+        print(f"!! {len(missing)} of {len(gids)} not finalized within {WAIT_S:.0f} s: {dict(where)}")
+        for g in missing[:3]:
+            tr = worker.traces.get((g, 1))
+            print(f"!!   {g}: {tr} active={(g, 1) in worker.active} deltas={len(edge.deltas[g])}")
+        for task in asyncio.all_tasks():
+            if task.get_coro().__qualname__.endswith("_handle"):
+                task.print_stack(limit=8)
 
 
 def ttft_breakdown(worker: Worker, edge: TestEdge, gids: list[str], sent: dict[str, float]) -> None:
@@ -135,8 +161,9 @@ async def ttft_steady(
             tasks.append(asyncio.create_task(one(f"bench-{uuid.uuid4().hex[:8]}")))
             await asyncio.sleep(interval_s)
         await asyncio.gather(*tasks)
-        await edge.wait_for(lambda: all(g in edge.finalized for g in sent), WAIT_S, "all finalized")
-        completed = [g for g in sent if edge.finalized[g].status is RequestStatus.COMPLETED and g in edge.first_delta_at]
+        await wait_all_finalized(edge, worker, list(sent))
+        completed = [g for g in sent if g in edge.finalized and edge.finalized[g].status is RequestStatus.COMPLETED
+                     and g in edge.first_delta_at]
         steady = [g for g in completed if running_at_start[g] >= in_flight * 0.8]
         print(f"\n== sim: steady state, ~{in_flight} generations in flight ({total} paced arrivals, one per "
               f"{interval_s * 1000:.0f} ms; {len(steady)} completed that arrived with >= {int(in_flight * 0.8)} running; "

@@ -63,6 +63,7 @@ DRAIN_TIMEOUT_S = 30.0  # on shutdown, running attempts get this long before the
 TOKENS_PER_S_WINDOW_S = 10.0  # the heartbeat's measured rate is over this trailing window
 TOKEN_RATE_SAMPLES_MAX = 10_000
 PRODUCER_LINGER_MS = 0
+RENEWER_STOP_TIMEOUT_S = 5.0  # an attempt waits this long for its lease renewer to end
 COMMIT_ON_STOP_TIMEOUT_S = 5.0  # the last dispatch offsets are committed on shutdown within this long
 
 
@@ -323,7 +324,11 @@ class Worker:
                 await self.producer.send_and_wait(
                     self.settings.topology.commands.name, encode(command), key=command.user_id.encode()
                 )
-                return await asyncio.wait_for(fut, self.settings.decision_timeout_s)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
+                # arrives as the answer does, and a renewer cancelled at the end of its attempt then
+                # kept running (and the attempt waited for it forever).
+                async with asyncio.timeout(self.settings.decision_timeout_s):
+                    return await fut
             except (TimeoutError, KafkaError):
                 log.warning("no decision for %s %s yet; retrying", command.type, command.command_id)
             finally:
@@ -499,7 +504,8 @@ class Worker:
                 reply_to=replace(self.control, request_id=uuid.uuid4().hex),
             )
             await self.producer.send_and_wait(d.stream_to.topic, encode(request), partition=d.stream_to.partition)
-            payload = await asyncio.wait_for(fut, self.settings.prompt_timeout_s)
+            async with asyncio.timeout(self.settings.prompt_timeout_s):
+                payload = await fut
         except TimeoutError:
             payload = None
         finally:
@@ -538,7 +544,8 @@ class Worker:
             reason = self._fenced.pop(key)
             stop.set(*(("cancel",) if reason == "cancel" else ("fenced", FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR)))
         progress = {"tokens": 0}
-        renewer = asyncio.create_task(self._renew_loop(d, stop, progress))
+        ended = asyncio.Event()  # the attempt is over: the renewer stops even if its cancel is lost
+        renewer = asyncio.create_task(self._renew_loop(d, stop, progress, ended))
         request = self._engine_request(d, payload)
         generation = self.engine.generate(request)
         trace.engine_started_at = time.monotonic()
@@ -550,6 +557,8 @@ class Worker:
         failure: str | None = None
         aborting = False
         iterator = generation.__aiter__()
+        # One waiter for the whole attempt (not one per decode step): set when any stop reason arrives.
+        stop_wait = asyncio.ensure_future(stop.event.wait())
         try:
             while True:
                 if stop.event.is_set() and not aborting:
@@ -564,13 +573,10 @@ class Worker:
                 else:
                     wait_s = min(self.settings.engine_stall_max_s, max(0.0, deadline - now))
                 next_item = asyncio.ensure_future(iterator.__anext__())
-                stop_wait = asyncio.ensure_future(stop.event.wait()) if not aborting else None
-                waiters = {next_item} if stop_wait is None else {next_item, stop_wait}
+                waiters = {next_item} if aborting else {next_item, stop_wait}
                 done, _ = await asyncio.wait(waiters, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-                if stop_wait is not None and not stop_wait.done():
-                    stop_wait.cancel()
                 if next_item not in done:
-                    if stop_wait is not None and stop_wait in done:
+                    if not aborting and stop_wait in done:
                         # Stop while the engine is between steps: abort, then wait for this step's item.
                         aborting = True
                         trace.stop_requested_at = time.monotonic()
@@ -626,13 +632,15 @@ class Worker:
                 if item.output_tokens >= request.max_output_tokens and not aborting:
                     stop.set("max_output_tokens", FinishOutcome.COMPLETED)
         finally:
+            stop_wait.cancel()
             # Close the engine's iterator now (it may hold the engine's lock or a sequence slot).
             with contextlib.suppress(Exception):
                 await iterator.aclose()
             trace.stopped_at = time.monotonic()
+            ended.set()
             renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await renewer
+            # Bounded: a renewal in flight ends within its decision timeout, and ``ended`` stops the loop.
+            await asyncio.wait({renewer}, timeout=RENEWER_STOP_TIMEOUT_S)
             self.active.pop(key, None)
         if send_futures:
             with contextlib.suppress(KafkaError):
@@ -664,10 +672,10 @@ class Worker:
             )
         )
 
-    async def _renew_loop(self, d: DispatchAuthorized, stop: _Stop, progress: dict[str, int]) -> None:
-        while not stop.event.is_set():
+    async def _renew_loop(self, d: DispatchAuthorized, stop: _Stop, progress: dict[str, int], ended: asyncio.Event) -> None:
+        while not stop.event.is_set() and not ended.is_set():
             await asyncio.sleep(self.settings.renew_interval_s)
-            if stop.event.is_set():
+            if stop.event.is_set() or ended.is_set():
                 return
             outcome = await self.decide(self._command(cmd.RenewLease, d, output_tokens=progress["tokens"]))
             if outcome is None:

@@ -272,3 +272,42 @@ async def test_settled_dispatches_are_committed_so_the_next_worker_of_the_group_
         assert (await edge.wait_finalized(fresh)).status is RequestStatus.COMPLETED
         await asyncio.sleep(1.0)
         assert {k[0] for k in second.traces} == {fresh}
+
+
+async def test_an_engine_crash_mid_stream_fails_the_attempt_with_model_backend_error_and_partial(
+    kafka_bootstrap, topology, edge
+):
+    async with sim_worker(kafka_bootstrap, topology, output_tokens=200, crash_after_tokens=5) as worker:
+        u = user()
+        gid = await edge.submit(u, max_output_tokens=200)
+        final = await edge.wait_finalized(gid)
+        assert final.status is RequestStatus.FAILED and final.code is RejectionCode.MODEL_BACKEND_ERROR
+        await edge.wait_for(lambda: worker.traces[(gid, 1)].report is not None, what="the report")
+        trace = worker.traces[(gid, 1)]
+        assert trace.outcome is FinishOutcome.FAILED and trace.output_tokens == 5
+        assert final.output_tokens == 5 and final.partial is True  # usage of what ran, also on failure
+        assert [d.sequence for d in edge.deltas[gid]] == [1, 2, 3, 4, 5]
+    events = await ledger_events(kafka_bootstrap, topology, gid)
+    assert sum(isinstance(e, ev.AttemptAccepted) for e in events) == 1  # no automatic second attempt
+
+
+async def test_max_generation_duration_and_a_stalled_engine_end_the_attempt(kafka_bootstrap, topology, edge):
+    long = SimConfig(ttft_ms=10, inter_token_ms=20, jitter_ms=0, output_tokens=5000)
+    settings = worker_settings(kafka_bootstrap, topology, generation_duration_max_s=1.0)
+    async with Worker(settings, SimulatedEngine(long), served("sim")) as worker:
+        u = user()
+        gid = await edge.submit(u, max_output_tokens=4000)
+        final = await edge.wait_finalized(gid)
+        assert final.status is RequestStatus.FAILED and final.code is RejectionCode.GENERATION_TIMEOUT, final
+        trace = worker.traces[(gid, 1)]
+        assert 0 < trace.output_tokens < 4000 and final.output_tokens == trace.output_tokens
+    stalls = SimConfig(ttft_ms=10, inter_token_ms=10, jitter_ms=0, output_tokens=200, stall_after_tokens=3, stall_s=60)
+    settings = worker_settings(kafka_bootstrap, topology, engine_stall_max_s=1.0)
+    async with Worker(settings, SimulatedEngine(stalls), served("sim")) as worker:
+        u = user()
+        gid = await edge.submit(u, max_output_tokens=200)
+        final = await edge.wait_finalized(gid)
+        assert final.status is RequestStatus.FAILED and final.code is RejectionCode.MODEL_BACKEND_ERROR, final
+        await edge.wait_for(lambda: worker.traces[(gid, 1)].report is not None, what="the report")
+        assert worker.traces[(gid, 1)].report.kind is OutcomeKind.APPLIED
+        assert worker.traces[(gid, 1)].output_tokens == 3 and worker.free_slots == worker.slots

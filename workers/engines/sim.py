@@ -72,11 +72,17 @@ def simulated_input_tokens(request: EngineRequest) -> int:
     return sum(len(m.content.split()) + 4 for m in request.messages)
 
 
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class SimulatedGeneration:
     def __init__(self, engine: SimulatedEngine, request: EngineRequest) -> None:
         self.engine = engine
         self.request = request
         self._abort = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # the current decode step's wake-up
         seed = int.from_bytes(hashlib.blake2b(f"{engine.config.seed}/{request.request_id}".encode(), digest_size=8).digest(), "big")
         self._rng = random.Random(seed)
         self.first_token_at: float | None = None  # monotonic; for benchmarks (engine-side TTFT)
@@ -84,6 +90,8 @@ class SimulatedGeneration:
 
     async def abort(self) -> None:
         self._abort.set()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def _wait_ms(self, base_ms: float) -> float:
         jitter = self.engine.config.jitter_ms
@@ -93,10 +101,16 @@ class SimulatedGeneration:
         """One decode step: wait, but an abort ends the step early (the step boundary)."""
         if self._abort.is_set():
             return
+        # A bare future and a timer (not wait_for, which makes a task per step): 100 streams at 10 ms
+        # per token are 10,000 steps/s, and the simulator shares its process with the worker.
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(seconds, _wake, waiter)
         try:
-            await asyncio.wait_for(self._abort.wait(), timeout=seconds)
-        except TimeoutError:
-            pass
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
 
     async def __aiter__(self) -> AsyncIterator[TextChunk | Finished]:
         cfg = self.engine.config

@@ -1,0 +1,86 @@
+"""The worker's pull order between the paid and free dispatch topics (``Worker._preferred_tier``) and
+its settled-offset bookkeeping (``_OffsetTracker``); no broker: nothing here connects."""
+
+from __future__ import annotations
+
+from aiokafka import TopicPartition
+
+from schemas.topics import Topology
+from workers.engines.sim import SimConfig, SimulatedEngine
+from workers.registry import default_registry
+from workers.settings import WorkerSettings
+from workers.worker import Worker, _OffsetTracker
+
+
+def worker(paid_weight: int, free_min_share: float) -> Worker:
+    settings = WorkerSettings(kafka_bootstrap="127.0.0.1:1", topology=Topology("unit"), worker_id="w-unit",
+                              paid_weight=paid_weight, free_min_share=free_min_share)
+    return Worker(settings, SimulatedEngine(SimConfig()), default_registry().get("fast-text-model"))
+
+
+def take(w: Worker, n: int) -> list[str]:
+    order = []
+    for _ in range(n):
+        tier = w._preferred_tier()
+        w._taken[tier] += 1
+        order.append(tier)
+    return order
+
+
+def test_paid_is_preferred_by_its_weight_when_both_tiers_have_work():
+    order = take(worker(paid_weight=3, free_min_share=0.0), 400)
+    assert order[:4] == ["paid", "paid", "paid", "free"]
+    assert 0.74 <= order.count("paid") / len(order) <= 0.76
+
+
+def test_free_never_falls_below_its_minimum_share():
+    order = take(worker(paid_weight=20, free_min_share=0.25), 400)
+    assert order.count("free") / len(order) >= 0.25
+    # ... and the share holds over every window once started, not only on average.
+    for i in range(40, 400, 40):
+        assert order[:i].count("free") / i >= 0.24
+
+
+def test_offsets_are_committed_only_below_the_oldest_unsettled_dispatch():
+    tp = TopicPartition("dispatch", 0)
+    t = _OffsetTracker()
+    for offset in (10, 11, 12):
+        t.begin(tp, offset)
+    assert t.done(tp, 11) == 10  # 10 is still being prepared: nothing past it is committed
+    assert t.done(tp, 10) == 12
+    assert t.done(tp, 12) == 13
+
+
+class _InstantProducer:
+    """Stands in for the producer: accepts every send at once (the decision then comes from the test)."""
+
+    async def send_and_wait(self, topic, value, key=None, partition=None):
+        return None
+
+
+async def test_a_decision_wait_cancelled_as_its_answer_arrives_is_still_cancelled():
+    """A renewer is cancelled when its attempt ends; if its answer lands in the same loop turn, Python
+    3.11's ``asyncio.wait_for`` returned the answer instead and the renewer lived on (the attempt then
+    waited for it forever). ``decide`` must raise ``CancelledError``."""
+    import asyncio
+    import uuid
+
+    import pytest
+
+    from schemas import commands as cmd
+    from schemas.messages import Outcome, OutcomeKind
+
+    w = worker(paid_weight=3, free_min_share=0.2)
+    w.producer = _InstantProducer()  # type: ignore[assignment]
+    command = cmd.RenewLease(command_id=uuid.uuid4().hex, user_id="u", issued_at_ms=0, generation_id="gen_x",
+                             epoch=1, worker_id="w-unit", reply_to=w.control, output_tokens=0)
+    task = asyncio.create_task(w.decide(command))
+    for _ in range(10):
+        await asyncio.sleep(0)
+        if command.command_id in w._decisions:
+            break
+    fut = w._decisions[command.command_id]
+    fut.set_result(Outcome(command_id=command.command_id, kind=OutcomeKind.APPLIED))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
