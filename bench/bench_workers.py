@@ -39,7 +39,7 @@ from schemas.codes import RequestStatus  # noqa: E402
 from schemas.topics import Topology  # noqa: E402
 from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding  # noqa: E402
 from tests.integration.workers_harness import TestEdge, served, worker_settings  # noqa: E402
-from workers.engines.cpu import cpu_runtime_missing_reason  # noqa: E402
+from workers.engines.cpu import CPU_THREADS, cpu_runtime_missing_reason  # noqa: E402
 from workers.engines.sim import SimConfig, SimulatedEngine  # noqa: E402
 from workers.worker import Worker  # noqa: E402
 
@@ -206,22 +206,26 @@ async def cpu_speed(bootstrap: str, topo: Topology, edge: TestEdge, runs: int) -
         await asyncio.sleep(3)
         ttft, tps, client = [], [], []
         sample = ""
-        for _ in range(runs):
+        for i in range(runs):
             u = f"bench-{uuid.uuid4().hex[:8]}"
             t0 = time.monotonic()
-            gid = await edge.submit(u, "Name three colors.", max_output_tokens=128)
+            # A different prompt each run: llama.cpp reuses the KV of a repeated prompt's common prefix,
+            # which would make every run after the first skip most of its prompt evaluation.
+            prompt = "Name three colors." if i == 0 else f"Name three colors. This is question {i + 1}."
+            gid = await edge.submit(u, prompt, max_output_tokens=128)
             final = await edge.wait_finalized(gid, WAIT_S)
             tr = worker.traces[(gid, 1)]
             ttft.append(tr.engine_first_token_at - tr.engine_started_at)
             client.append(edge.first_delta_at[gid] - t0)
             if final.output_tokens > 1:
                 tps.append((final.output_tokens - 1) / (tr.stopped_at - tr.engine_first_token_at))
-            sample = edge.text(gid)
-        print(f"\n== cpu: SmolLM2-135M-Instruct Q4_1 on llama.cpp, {runs} runs of 'Name three colors.' ==")
+            sample = sample or edge.text(gid)
+        print(f"\n== cpu: SmolLM2-135M-Instruct Q4_1 on llama.cpp ({CPU_THREADS} threads), {runs} runs of "
+              f"'Name three colors.' (+ a varying suffix after the first) ==")
         print(line("engine TTFT (prompt eval + first token)", ttft))
         print(line("client TTFT", client))
         print(f"{'decode tokens/s':<44} n={len(tps):<4} mean={statistics.mean(tps):.1f} min={min(tps):.1f}")
-        print(f"{'sample answer':<44} {sample!r}")
+        print(f"{'sample answer (first run)':<44} {sample!r}")
 
 
 async def main() -> None:

@@ -29,7 +29,11 @@ from workers.engines.base import EngineError, EngineRequest, Finished, FinishRea
 
 CPU_ENGINE_NAME = "cpu"
 CPU_CONTEXT_TOKENS = 2048
-CPU_THREADS = max(1, min(4, os.cpu_count() or 1))
+# llama.cpp decode threads. Half the cores (at most 4; CHATPLANE_CPU_THREADS overrides): the worker shares
+# its machine with Kafka, the processor and the edge under `make up`, and llama.cpp's threads spin-wait
+# for each other, so on a busy 2-core machine 2 threads decoded ~22 tokens/s and 1 thread ~65.
+CPU_THREADS_MAX = 4
+CPU_THREADS = int(os.environ.get("CHATPLANE_CPU_THREADS") or max(1, min(CPU_THREADS_MAX, (os.cpu_count() or 2) // 2)))
 CPU_BATCH_TOKENS = 512
 
 
