@@ -372,16 +372,17 @@ class Worker:
             first = self._preferred_tier()
             second = "free" if first == "paid" else "paid"
             taken = None
-            for tier, timeout in ((first, 0), (second, 0), (first, DISPATCH_FETCH_TIMEOUT_MS)):
-                parts = self._partitions(tier)
-                if not parts and tier == first and timeout:
-                    parts = list(consumer.assignment())
+            # What is already fetched, preferred tier first; then one bounded wait on every assigned
+            # partition (waiting on the preferred tier alone delayed the other tier's next dispatch by up
+            # to the whole wait while the worker was idle).
+            for tier, timeout in ((first, 0), (second, 0), (None, DISPATCH_FETCH_TIMEOUT_MS)):
+                parts = self._partitions(tier) if tier is not None else list(consumer.assignment())
                 if not parts:
                     continue
                 batches = await consumer.getmany(*parts, timeout_ms=timeout, max_records=1)
                 for tp, records in batches.items():
                     if records:
-                        taken = (tier if tp.topic == self.dispatch_topics[tier] else second, tp, records[0])
+                        taken = ("paid" if tp.topic == self.dispatch_topics["paid"] else "free", tp, records[0])
                         break
                 if taken:
                     break
@@ -544,8 +545,9 @@ class Worker:
             reason = self._fenced.pop(key)
             stop.set(*(("cancel",) if reason == "cancel" else ("fenced", FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR)))
         progress = {"tokens": 0}
+        first_token = asyncio.Event()
         ended = asyncio.Event()  # the attempt is over: the renewer stops even if its cancel is lost
-        renewer = asyncio.create_task(self._renew_loop(d, stop, progress, ended))
+        renewer = asyncio.create_task(self._renew_loop(d, stop, progress, ended, first_token))
         request = self._engine_request(d, payload)
         generation = self.engine.generate(request)
         trace.engine_started_at = time.monotonic()
@@ -617,6 +619,7 @@ class Worker:
                     break
                 assert isinstance(item, TextChunk)
                 progress["tokens"] = item.output_tokens
+                first_token.set()
                 self._token_samples.append((time.monotonic(), 1))
                 if trace.engine_first_token_at is None:
                     trace.engine_first_token_at = time.monotonic()
@@ -672,18 +675,26 @@ class Worker:
             )
         )
 
-    async def _renew_loop(self, d: DispatchAuthorized, stop: _Stop, progress: dict[str, int], ended: asyncio.Event) -> None:
+    async def _renew_loop(
+        self, d: DispatchAuthorized, stop: _Stop, progress: dict[str, int], ended: asyncio.Event, first_token: asyncio.Event
+    ) -> None:
+        # The first renewal goes out as soon as the engine produced a token (at the latest after one
+        # interval): the processor's ``partial`` after a crash is "output tokens reported > 0", so a
+        # worker killed before its first periodic renewal would otherwise end as partial: false although
+        # the client already had text.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.settings.renew_interval_s):
+                await first_token.wait()
         while not stop.event.is_set() and not ended.is_set():
-            await asyncio.sleep(self.settings.renew_interval_s)
+            outcome = await self.decide(self._command(cmd.RenewLease, d, output_tokens=progress["tokens"]))
+            # No answer (None): the lease may still be valid; the next renewal tries again.
+            if outcome is not None and outcome.kind is OutcomeKind.CANCEL_REQUESTED:
+                stop.set("cancel")
+            elif outcome is not None and outcome.kind is OutcomeKind.REJECTED:
+                stop.set("fenced", FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR)
             if stop.event.is_set() or ended.is_set():
                 return
-            outcome = await self.decide(self._command(cmd.RenewLease, d, output_tokens=progress["tokens"]))
-            if outcome is None:
-                continue  # the lease may still be valid; the next renewal tries again
-            if outcome.kind is OutcomeKind.CANCEL_REQUESTED:
-                stop.set("cancel")
-            elif outcome.kind is OutcomeKind.REJECTED:
-                stop.set("fenced", FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR)
+            await asyncio.sleep(self.settings.renew_interval_s)
 
     # --- capacity heartbeats ------------------------------------------------------------------------
 

@@ -217,9 +217,13 @@ async def test_kill9_mid_stream_reaches_the_http_client_as_generation_error_part
     kafka_bootstrap, topology, processor, tmp_path
 ):
     """Must-show 3 at the client: the SSE stream of the real edge ends in ``generation.error``
-    (``model_backend_error``, ``partial: true``, ``manual_regenerate``) after the deltas it already had."""
+    (``model_backend_error``, ``partial: true``, ``manual_regenerate``) after the deltas it already had.
+
+    The kill comes ~1 s in, before the first periodic renewal (every 2.5 s, the lease is 3 s): the
+    processor knows output existed only because the worker renews once at its first token."""
     proc = WorkerProcess(kafka_bootstrap, topology, tmp_path, engine="sim", CHATPLANE_SIM_TTFT_MS=10,
-                         CHATPLANE_SIM_INTER_TOKEN_MS=50, CHATPLANE_SIM_OUTPUT_TOKENS=2000)
+                         CHATPLANE_SIM_INTER_TOKEN_MS=50, CHATPLANE_SIM_OUTPUT_TOKENS=2000,
+                         CHATPLANE_WORKER_RENEW_INTERVAL_S=2.5)
     proc.start()
     body = {"model": "fast-text-model", "messages": [{"role": "user", "content": "Name three colors."}],
             "stream": True, "max_output_tokens": 2000}
