@@ -45,6 +45,7 @@ from control_plane.policy import HOUR_MS, Policy  # noqa: E402
 from schemas import commands as cmd  # noqa: E402
 from schemas.codes import CancelReason, FinishOutcome, Tier  # noqa: E402
 from schemas.wire import encode  # noqa: E402
+from projections.table_store import EMPTY_LAYOUT, join, plan  # noqa: E402
 
 T0_MS = 1_762_441_200_000
 REQUESTS_PER_WINDOW = 40
@@ -157,6 +158,41 @@ def split_decide_evolve(aggregates: dict[str, Aggregate], commands: list[Any], p
     return max(decide_s - overhead / 2, 1e-9), max(evolve_s - overhead / 2, 1e-9)
 
 
+def processor_whole(aggregates: dict[str, Aggregate], commands: list[Any], policy: Policy) -> tuple[float, int]:
+    """What the processor did per command with one whole value per user: handle, the next
+    deadline, the whole aggregate encoded. Returns (seconds, changelog bytes written)."""
+    gc.collect()
+    written = 0
+    started = time.perf_counter()
+    for offset, c in enumerate(commands):
+        after, decision, redelivered = handle(aggregates[c.user_id], c, policy, offset)
+        if decision is not None and not redelivered:
+            next_deadline_ms(after.ledger, policy)
+            written += 8 + len(dump_aggregate(after))
+        aggregates[c.user_id] = after
+    return time.perf_counter() - started, written
+
+
+def processor_split(
+    aggregates: dict[str, Aggregate], layouts: dict[str, Any], commands: list[Any], policy: Policy
+) -> tuple[float, int, int]:
+    """The same with projections/table_store.py's layout (what projections/processor.py does now):
+    handle, the next deadline, ``plan``. Returns (seconds, bytes written, hot-value bytes written)."""
+    gc.collect()
+    written = hot = 0
+    started = time.perf_counter()
+    for offset, c in enumerate(commands):
+        u = c.user_id
+        after, decision, redelivered = handle(aggregates[u], c, policy, offset)
+        if decision is not None and not redelivered:
+            writes = plan(after, layouts[u], policy)
+            layouts[u] = writes.layout
+            written += sum(len(v) for _, v in writes.puts)
+            hot += len(writes.puts[-1][1])
+        aggregates[u] = after
+    return time.perf_counter() - started, written, hot
+
+
 def per_call_s(fn: Any, n: int) -> float:
     best = float("inf")
     for _ in range(5):
@@ -214,6 +250,25 @@ def main(argv: list[str] | None = None) -> int:
     # the whole table value encoded for the changelog write.
     processor_per_s = 1 / (handle_s / len(timed) + deadline_s + dump_s)
 
+    # The processor's per-command work, whole value (before) vs split layout (now), same commands.
+    whole = [processor_whole(dict(snapshot), timed, policy) for _ in range(2)]
+    whole_s, whole_bytes = min(whole)
+    stored = {u: plan(a, EMPTY_LAYOUT, policy) for u, a in snapshot.items()}
+    split_runs = []
+    for _ in range(2):
+        # Each run starts from the states read back from the table, as after a recovery.
+        tables = {u: dict(w.puts) for u, w in stored.items()}
+        joined = {u: join(tables[u][u.encode()], tables[u].get, policy) for u in snapshot}
+        split_runs.append(
+            processor_split({u: j[0] for u, j in joined.items()}, {u: j[1] for u, j in joined.items()}, timed, policy)
+        )
+    split_s, split_bytes, split_hot = min(split_runs)
+    applied = sum(1 for _ in timed)
+    hot_sizes = [len(w.puts[-1][1]) for w in stored.values()]
+    settled_sizes = [len(v) for w in stored.values() for _, v in w.puts[:-1]]
+    join_some = [stored[a.ledger.user_id] for a in some]
+    join_s = per_call_s(lambda: [join(dict(w.puts)[w.puts[-1][0]], dict(w.puts).get, policy) for w in join_some], 3) / len(some)
+
     mix: dict[str, int] = {}
     for c in timed:
         mix[c.type] = mix.get(c.type, 0) + 1
@@ -255,8 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         f"max {figures['state_bytes_max'] / 1024:.1f} KiB |",
         f"| `dump_aggregate` / `load_aggregate` per state | {figures['dump_us']:,.0f} µs / {figures['load_us']:,.0f} µs |",
         f"| `next_deadline_ms` per state | {figures['next_deadline_us']:,.0f} µs |",
-        f"| processor per command: `handle` + `next_deadline_ms` + `dump_aggregate` | "
-        f"{figures['processor_per_s']:,.0f} commands/s |",
+        f"| processor per command, whole value (before): `handle` + `next_deadline_ms` + `dump_aggregate`, measured | "
+        f"{n / whole_s:,.0f} commands/s, {whole_bytes / applied / 1024:,.1f} KiB changelog per command |",
+        f"| processor per command, split layout (now): `handle` + `table_store.plan` (which derives the next deadline) | "
+        f"**{n / split_s:,.0f} commands/s** (x{whole_s / split_s:.1f}), {split_bytes / applied / 1024:,.1f} KiB "
+        f"changelog per command ({split_hot / applied / 1024:,.1f} KiB of it the hot value) |",
+        f"| split layout per user | hot value mean {statistics.mean(hot_sizes) / 1024:.1f} KiB, max "
+        f"{max(hot_sizes) / 1024:.1f} KiB; settled entry mean {statistics.mean(settled_sizes):,.0f} B; "
+        f"`join` (read back after a recovery) {join_s * 1e6:,.0f} µs |",
         "",
         f"Command mix: {mix_text}.",
     ]

@@ -34,7 +34,7 @@ def load_aggregate(data: bytes) -> Aggregate:
     if doc.get("v") != STATE_CODEC_VERSION:
         raise ValueError(f"unsupported state codec version {doc.get('v')!r}")
     recent = tuple(Remembered(command_id, orjson.dumps(d)) for command_id, d in doc["recent"])
-    return Aggregate(_ledger(doc["ledger"]), recent, doc.get("offset", -1))
+    return Aggregate(load_ledger(doc["ledger"]), recent, doc.get("offset", -1))
 
 
 def _reply_to(d: dict[str, Any] | None) -> ReplyTo | None:
@@ -48,7 +48,8 @@ def _attempt(d: dict[str, Any] | None) -> Attempt | None:
     return Attempt(**{**d, "cancel_reason": None if reason is None else CancelReason(reason)})
 
 
-def _record(d: dict[str, Any]) -> RequestRecord:
+def load_record(d: dict[str, Any]) -> RequestRecord:
+    """A ``RequestRecord`` from its decoded JSON document."""
     code = d["code"]
     return RequestRecord(
         **{
@@ -62,10 +63,11 @@ def _record(d: dict[str, Any]) -> RequestRecord:
     )
 
 
-def _ledger(d: dict[str, Any]) -> UserLedger:
+def load_ledger(d: dict[str, Any]) -> UserLedger:
+    """A ``UserLedger`` from its decoded JSON document."""
     return UserLedger(
         user_id=d["user_id"],
-        requests={k: _record(v) for k, v in d["requests"].items()},
+        requests={k: load_record(v) for k, v in d["requests"].items()},
         by_generation=dict(d["by_generation"]),
         windows={int(k): QuotaWindow(**v) for k, v in d["windows"].items()},
         reservations={

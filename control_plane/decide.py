@@ -549,9 +549,16 @@ def purge_at_ms(record: RequestRecord, policy: Policy) -> int | None:
     return settled_at + policy.dedup_retention_ms
 
 
+def _canonical_order(record: RequestRecord) -> tuple[int, str]:
+    return (record.created_at_ms, record.idempotency_key)
+
+
 def _reconcile(state: UserLedger, c: ReconcileDue, policy: Policy, out: _Emitter) -> Decision:
     now = c.as_of_ms
-    for record in state.requests.values():
+    # In a canonical order, not the dict's: event ids are positional (``<command_id>/<n>``), and a
+    # state read back from the processor's table holds its records in another order than the one
+    # that built it, so a redelivered ReconcileDue must number its events the same either way.
+    for record in sorted(state.requests.values(), key=_canonical_order):
         attempt = record.attempt
         if record.status is RequestStatus.QUEUED and attempt is not None:
             if attempt.reconcile_deadline_ms <= now:

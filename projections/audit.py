@@ -25,6 +25,7 @@ import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from control_plane.invariants import InvariantMonitor, Violation, check_state
+from control_plane.policy import Policy
 from control_plane.state import UserLedger
 from schemas import events as ev
 from schemas.topics import TopicSpec, Topology
@@ -160,13 +161,13 @@ async def read_topic(
 
 async def read_table(bootstrap: str, topology: Topology) -> dict[str, UserLedger]:
     """The processor's table: the latest changelog value per user."""
-    from projections.processor import unpack_value
+    from projections.table_store import join_table
 
     latest: dict[bytes, bytes | None] = {}
     for _, _, key, value in sorted(await read_topic(bootstrap, topology.changelog), key=lambda r: (r[0], r[1])):
         if key is not None:
             latest[key] = value
-    return {k.decode(): unpack_value(v).ledger for k, v in latest.items() if v is not None}
+    return join_table(latest.items(), Policy())
 
 
 async def audit(

@@ -27,7 +27,6 @@ import asyncio
 import base64
 import logging
 import os
-import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,37 +36,21 @@ import faust
 from aiokafka.partitioner import murmur2
 
 from control_plane.aggregate import Aggregate, handle
-from control_plane.codec import dump_aggregate, load_aggregate
 from control_plane.decide import next_deadline_ms
 from control_plane.routing import route
 from projections.kafka_admin import assert_copartitioned
 from projections.settings import ProcessorSettings
+from projections.table_store import EMPTY_LAYOUT, Layout, TableWrites, is_settled_key, join, plan, unpack_deadline
 from schemas.commands import ReconcileDue
 from schemas.topics import USER_TO_LEDGER_TABLE
 from schemas.wire import WireError, decode_command, encode
 
 log = logging.getLogger("chatplane.processor")
 
-# A table value is an 8-byte big-endian next deadline (0: none) followed by the aggregate, so the
-# timer can rebuild its deadline index after a rebalance without decoding every aggregate.
-_DEADLINE = struct.Struct(">q")
 DEAD_LETTER_VALUE_BYTES_MAX = 4_096  # how much of an undecodable message the dead letter keeps
 # ReconcileDue commands the timer appends per tick at most: a burst of due deadlines (after a
 # recovery, say) is spread over ticks instead of stalling the event loop and the agent.
 RECONCILE_COMMANDS_PER_TICK_MAX = 500
-
-
-def pack_value(aggregate: Aggregate, deadline_ms: int | None) -> bytes:
-    return _DEADLINE.pack(deadline_ms or 0) + dump_aggregate(aggregate)
-
-
-def unpack_deadline(value: bytes) -> int | None:
-    (deadline,) = _DEADLINE.unpack_from(value)
-    return deadline or None
-
-
-def unpack_value(value: bytes) -> Aggregate:
-    return load_aggregate(value[_DEADLINE.size :])
 
 
 def user_partition(user_id: bytes, partitions: int) -> int:
@@ -81,8 +64,8 @@ class _Pending:
 
     partition: int
     sends: list[Awaitable[Any]] = field(default_factory=list)  # delivery futures of its outputs
-    key: bytes | None = None  # table key to write once they are acknowledged (None: no write)
-    value: bytes | None = None
+    key: bytes | None = None  # the user whose table entries to write once they are acknowledged
+    writes: TableWrites | None = None  # None: nothing to write
     aggregate: Aggregate | None = None
     event: Any = None  # the faust event to ack after the write
 
@@ -137,16 +120,17 @@ class AdmissionProcessor:
         self.table = self.app.Table(
             USER_TO_LEDGER_TABLE, partitions=self.partitions, key_type=bytes, value_type=bytes, default=None
         )
-        # user key -> (decoded aggregate, the exact table value it was decoded from). An identity
-        # check against the table value detects a recovery or another instance's write.
-        self._decoded: dict[bytes, tuple[bytes, Aggregate]] = {}
+        # user key -> (the exact hot table value, the aggregate joined from it, its layout). An
+        # identity check against the table value detects a recovery or another instance's write.
+        self._decoded: dict[bytes, tuple[bytes, Aggregate, Layout]] = {}
         # user key -> the time its next ReconcileDue is due (only users of partitions assigned here).
         self._deadlines: dict[bytes, int] = {}
         self._scan_needed = True
         # Decided commands, oldest first, whose outputs Kafka has not acknowledged yet; and per user
         # the newest aggregate decided here that is not yet written to the table (ahead of it).
         self._pending: deque[_Pending] = deque()
-        self._unwritten: dict[bytes, Aggregate] = {}
+        self._unwritten: dict[bytes, tuple[Aggregate, Layout]] = {}
+        self.changelog_topic = self.table.changelog_topic_name
         self._pending_added = asyncio.Event()
         self._pending_room = asyncio.Event()
         self.app.agent(self.commands, name="admission", concurrency=1)(self._admission)
@@ -212,12 +196,13 @@ class AdmissionProcessor:
                 for send in head.sends:
                     await send  # raises when Kafka refused it after the producer's own retries
                 pending.popleft()
-                if head.key is not None:
-                    self.table.send_changelog(head.partition, head.key, head.value)
-                    self.table.data[head.key] = head.value
-                    if self._unwritten.get(head.key) is head.aggregate:
+                writes = head.writes
+                if writes is not None:
+                    await self._write(head.partition, writes)
+                    unwritten = self._unwritten.get(head.key)
+                    if unwritten is not None and unwritten[0] is head.aggregate:
                         del self._unwritten[head.key]
-                        self._decoded[head.key] = (head.value, head.aggregate)
+                        self._decoded[head.key] = (writes.puts[-1][1], head.aggregate, writes.layout)
                 if head.event is not None:
                     await stream.ack(head.event)
                 if len(pending) < limit:
@@ -231,19 +216,35 @@ class AdmissionProcessor:
             await self.app.crash(exc)
             raise
 
-    def _aggregate(self, key: bytes, user_id: str) -> Aggregate:
+    async def _write(self, partition: int, writes: TableWrites) -> None:
+        """Settled entries, then the hot value, then deletes: any prefix reads back consistently.
+
+        The changelog records go straight to the Kafka producer, not through faust's table buffer
+        (``Table.send_changelog`` -> ``send_soon``): faust flushes that buffer before a commit but
+        gives up after 0.1 s without a sent message (``ProducerBuffer.flush_atmost``), so under load
+        an offset could be committed ahead of the state it implies. What is in the producer when the
+        command is acked is flushed by the commit (aiokafka's ``flush`` waits for every batch)."""
+        send, topic, data = self.app.producer.send, self.changelog_topic, self.table.data
+        for key, value in writes.puts:
+            await send(topic, key, value, partition, None, None)
+            data[key] = value
+        for key in writes.deletes:
+            await send(topic, key, None, partition, None, None)
+            data.pop(key, None)
+
+    def _aggregate(self, key: bytes, user_id: str) -> tuple[Aggregate, Layout]:
         unwritten = self._unwritten.get(key)
         if unwritten is not None:
             return unwritten
         value = self.table.get(key)
         if value is None:
-            return Aggregate.empty(user_id)
+            return Aggregate.empty(user_id), EMPTY_LAYOUT
         cached = self._decoded.get(key)
         if cached is not None and cached[0] is value:
-            return cached[1]
-        aggregate = unpack_value(value)
-        self._decoded[key] = (value, aggregate)
-        return aggregate
+            return cached[1], cached[2]
+        aggregate, layout = join(value, self.table.get, self.policy)
+        self._decoded[key] = (value, aggregate, layout)
+        return aggregate, layout
 
     async def process(self, partition: int, offset: int, key: bytes | None, value: bytes | None) -> _Pending:
         """Decide one command and send its outputs; the returned entry carries what to write once
@@ -258,14 +259,22 @@ class AdmissionProcessor:
             pending.sends.append(await self._dead_letter(partition, offset, key, value, exc.reason))
             return pending
         user_key = command.user_id.encode()
+        if is_settled_key(user_key):
+            # A user id that starts with NUL would share the settled entries' key space.
+            reason = "user_id starts with NUL"
+            pending.sends.append(await self._dead_letter(partition, offset, key, value, reason))
+            return pending
         if key != user_key:
             # The single-writer guarantee needs every command of a user on the user's partition.
             reason = "message key is not the command's user_id"
             pending.sends.append(await self._dead_letter(partition, offset, key, value, reason))
             return pending
         try:
-            before = self._aggregate(user_key, command.user_id)
+            before, layout = self._aggregate(user_key, command.user_id)
             after, decision, redelivered = handle(before, command, self.policy, offset)
+            if decision is not None and not redelivered:
+                writes = plan(after, layout, self.policy)
+                deadline = writes.deadline_ms
         except Exception as exc:  # noqa: BLE001 - a bug must not stop every user of the partition
             log.exception("processing %s failed", command.command_id)
             reason = f"processing error: {type(exc).__name__}"
@@ -280,9 +289,8 @@ class AdmissionProcessor:
         if redelivered:
             self.stats.redelivered += 1
         else:
-            deadline = next_deadline_ms(after.ledger, self.policy)
-            pending.key, pending.value, pending.aggregate = user_key, pack_value(after, deadline), after
-            self._unwritten[user_key] = after
+            pending.key, pending.writes, pending.aggregate = user_key, writes, after
+            self._unwritten[user_key] = (after, writes.layout)
             if deadline is None:
                 self._deadlines.pop(user_key, None)
             else:
@@ -325,11 +333,11 @@ class AdmissionProcessor:
             return
         deadlines: dict[bytes, int] = {}
         for key, value in self.table.items():
-            if value is not None and user_partition(key, self.partitions) in assigned:
+            if value is not None and not is_settled_key(key) and user_partition(key, self.partitions) in assigned:
                 deadline = unpack_deadline(value)
                 if deadline is not None:
                     deadlines[key] = deadline
-        for key, aggregate in self._unwritten.items():  # decided here, ahead of the table
+        for key, (aggregate, _) in self._unwritten.items():  # decided here, ahead of the table
             if user_partition(key, self.partitions) in assigned:
                 deadline = next_deadline_ms(aggregate.ledger, self.policy)
                 if deadline is None:

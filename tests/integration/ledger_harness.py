@@ -68,6 +68,33 @@ class ProcessorProcess:
         return self.proc is not None and self.proc.poll() is None
 
 
+async def wait_until_committed(bootstrap: str, topology: Any, timeout_s: float = PROCESSOR_READY_TIMEOUT_S) -> None:
+    """Until the processor committed every command appended so far: its table (changelog) then
+    holds the state of each of them (a command is committable only after its state was sent)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    tps = [TopicPartition(topology.commands.name, p) for p in range(topology.commands.partitions)]
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await consumer.start()
+    await admin.start()
+    try:
+        ends = await consumer.end_offsets(tps)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            committed = await admin.list_consumer_group_offsets(topology.processor_app_id, partitions=tps)
+            behind = {tp: end for tp, end in ends.items() if end > 0 and (tp not in committed or committed[tp].offset < end)}
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"processor has not committed {behind} after {timeout_s} s")
+            await asyncio.sleep(0.25)
+    finally:
+        await consumer.stop()
+        await admin.close()
+
+
 async def wait_until_deciding(client: CommandClient, user_id: str = "probe", timeout_s: float = PROCESSOR_READY_TIMEOUT_S) -> Outcome:
     """Ready means a real decision comes back: a ReconcileDue probe answered through the inbox."""
     deadline = time.monotonic() + timeout_s

@@ -16,7 +16,7 @@ from schemas import commands as cmd
 from schemas.codes import FinishOutcome, RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, Outcome, OutcomeKind
 from schemas.wire import decode_ledger_entry, decode_message, encode
-from tests.integration.ledger_harness import wait_until_deciding
+from tests.integration.ledger_harness import wait_until_committed, wait_until_deciding
 
 pytestmark = pytest.mark.integration
 
@@ -104,6 +104,7 @@ async def test_200_concurrent_submits_admit_exactly_the_limit(kafka_bootstrap, t
     assert len({o.generation_id for o in retries}) == 1
     assert Counter(o.kind for o in retries)[OutcomeKind.ADMITTED] == 1
     assert Counter(o.code for o in retries)[RejectionCode.GENERATION_IN_PROGRESS] == 49
+    await wait_until_committed(kafka_bootstrap, topology)
     report = await audit(kafka_bootstrap, topology)
     assert report.ok, report.render()
     assert report.consumed == 0 and report.users == 2  # carol and dave (the probe changed nothing)
@@ -214,6 +215,7 @@ async def test_kill_9_under_mixed_load_loses_and_doubles_nothing(kafka_bootstrap
     assert kills == 4
     # Let every queued reservation pass its reconcile deadline and every lease expire.
     await asyncio.sleep(7.0)
+    await wait_until_committed(kafka_bootstrap, topology)
     report = await audit(kafka_bootstrap, topology, concurrency_limit=2)
     assert report.ok, report.render()
     assert report.consumed > 0 and report.entries_read > 0
@@ -254,6 +256,7 @@ async def test_two_instances_split_partitions_and_a_rebalance_loses_or_doubles_n
     await _drive(load, 60)
     a.start("pa")  # comes back: partitions split again
     await _drive(load, 60)
+    await wait_until_committed(kafka_bootstrap, topology)
     report = await audit(kafka_bootstrap, topology, concurrency_limit=2)
     assert report.ok, report.render()
     assert report.users >= 10 and report.table_users >= report.users  # the table also holds the probe user
@@ -354,5 +357,6 @@ async def test_a_backlog_caught_up_after_kill_9_is_decided_once_with_no_reused_e
             killed = True
     assert killed
     assert want <= got, f"{len(want - got)} commands never decided"
+    await wait_until_committed(kafka_bootstrap, topology)
     report = await audit(kafka_bootstrap, topology)
     assert report.ok, report.render()
