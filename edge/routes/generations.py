@@ -308,6 +308,11 @@ async def get_generation(request: Request, principal: CurrentPrincipal, generati
     if view is None:
         raise ApiError(RejectionCode.NOT_FOUND)
     text = await edge.result(generation_id, principal.user_id) if view.status is RequestStatus.COMPLETED else None
+    if view.status is RequestStatus.COMPLETED and text is None:
+        # The content is past its retention; the metadata outlives it and is served with the 410.
+        doc = _document(view, None)
+        extra = {"generation_id": generation_id, "status": doc["status"], "model_version": doc["model_version"], "usage": doc["usage"]}
+        raise ApiError(RejectionCode.RESULT_UNAVAILABLE, extra=extra)
     return JSONResponse(_document(view, text), headers={"Cache-Control": "no-store"})
 
 

@@ -91,10 +91,11 @@ async def test_same_key_retry_through_a_fresh_edge_returns_text_stored_by_the_wo
             assert expired.status_code == 410, expired.text
             assert expired.json()["error"]["code"] == "result_unavailable"
             meta = await http.get(f"/v1/generations/{gid}", headers=second.headers(user))
-            # status and usage outlive the content (the edge's GET answers 200 without output)
-            assert meta.status_code == 200, meta.text
-            assert meta.json()["status"] == "completed" and meta.json()["output"] == []
-            assert meta.json()["usage"] == doc["usage"]
+            # GET is 410 too, and status and usage outlive the content: they come with the error
+            assert meta.status_code == 410, meta.text
+            body = meta.json()
+            assert body["error"]["code"] == "result_unavailable" and body["error"]["retryable"] is False
+            assert body["error"]["status"] == "completed" and body["error"]["usage"] == doc["usage"]
         # inference never reran: one attempt accepted for this generation in the whole ledger
         events = await ledger_events(kafka_bootstrap, topology, gid)
         assert sum(isinstance(e, ev.AttemptAccepted) for e in events) == 1
