@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -21,7 +22,7 @@ import orjson
 from workers.engines.base import Engine
 from workers.registry import RegisteredModel, default_registry
 from workers.settings import WorkerSettings
-from workers.worker import NullResultSink, ResultSink, Worker
+from workers.worker import MissingTopics, NullResultSink, ResultSink, Worker
 
 
 def build_engine(name: str, model: RegisteredModel) -> Engine:
@@ -71,10 +72,20 @@ async def amain(engine_name: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await worker.start()
+    # A signal during start-up (a broker that does not answer yet) stops it too.
+    starting = asyncio.create_task(worker.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     try:
-        await stop.wait()
+        if starting.done():
+            starting.result()  # raises MissingTopics & co.
+            await stopping
+        else:
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await starting
     finally:
+        stopping.cancel()
         await worker.stop()
         close = getattr(sink, "close", None)
         if close is not None:
@@ -87,7 +98,10 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("CHATPLANE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
-    asyncio.run(amain(args.engine))
+    try:
+        asyncio.run(amain(args.engine))
+    except MissingTopics as exc:
+        raise SystemExit(f"workers: {exc}") from None
 
 
 if __name__ == "__main__":

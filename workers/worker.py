@@ -71,6 +71,10 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+class MissingTopics(RuntimeError):
+    """The worker's dispatch or control topics do not exist (nothing to consume: fail at start)."""
+
+
 class ResultSink(Protocol):
     """Where the final text of an attempt goes before the worker reports completion (issue 7: Cassandra)."""
 
@@ -214,6 +218,12 @@ class Worker:
             fetch_max_wait_ms=CONTROL_FETCH_MAX_WAIT_MS,
         )
         await self.control_consumer.start()
+        missing = {self.control.topic, *self.dispatch_topics.values()} - await self.control_consumer.topics()
+        if missing:
+            # aiokafka would wait for them forever (logging each metadata miss); say what is wrong instead.
+            await self.control_consumer.stop()
+            await self.producer.stop()
+            raise MissingTopics(f"topics not in the cluster: {sorted(missing)} (run infra/create-topics)")
         tp = TopicPartition(self.control.topic, self.control.partition)
         self.control_consumer.assign([tp])
         await self.control_consumer.seek_to_end(tp)

@@ -19,6 +19,7 @@ from schemas import events as ev
 from schemas.codes import FinishOutcome, RejectionCode, RequestStatus
 from schemas import commands as cmd
 from schemas.messages import OutcomeKind, WorkerHeartbeat
+from schemas.topics import Topology
 from schemas.wire import decode_message
 from tests.integration.ledger_harness import wait_until_deciding
 from tests.integration.test_edge_harness import edge_settings, serve_edge
@@ -31,7 +32,7 @@ from tests.integration.workers_harness import (
     worker_settings,
 )
 from workers.engines.sim import SimConfig, SimulatedEngine
-from workers.worker import MemoryResultSink, Worker
+from workers.worker import MemoryResultSink, MissingTopics, Worker
 
 pytestmark = pytest.mark.integration
 
@@ -315,3 +316,11 @@ async def test_max_generation_duration_and_a_stalled_engine_end_the_attempt(kafk
         await edge.wait_for(lambda: worker.traces[(gid, 1)].report is not None, what="the report")
         assert worker.traces[(gid, 1)].report.kind is OutcomeKind.APPLIED
         assert worker.traces[(gid, 1)].output_tokens == 3 and worker.free_slots == worker.slots
+
+
+async def test_a_worker_whose_topics_do_not_exist_fails_at_start_and_names_them(kafka_bootstrap):
+    topo = Topology(f"absent{uuid.uuid4().hex[:8]}")
+    worker = Worker(worker_settings(kafka_bootstrap, topo), SimulatedEngine(SimConfig()), served("sim"))
+    with pytest.raises(MissingTopics) as exc:
+        await asyncio.wait_for(worker.start(), 30)  # (the bound only keeps a regression from hanging CI)
+    assert topo.worker_control.name in str(exc.value) and topo.dispatch("default", "free").name in str(exc.value)
