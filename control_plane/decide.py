@@ -555,23 +555,33 @@ def _canonical_order(record: RequestRecord) -> tuple[int, str]:
 
 def _reconcile(state: UserLedger, c: ReconcileDue, policy: Policy, out: _Emitter) -> Decision:
     now = c.as_of_ms
-    # In a canonical order, not the dict's: event ids are positional (``<command_id>/<n>``), and a
-    # state read back from the processor's table holds its records in another order than the one
-    # that built it, so a redelivered ReconcileDue must number its events the same either way.
-    for record in sorted(state.requests.values(), key=_canonical_order):
+    # Due records act in a canonical order, not the dict's: event ids are positional
+    # (``<command_id>/<n>``), and a state read back from the processor's table holds its records in
+    # another order than the one that built it, so a redelivered ReconcileDue must number its events
+    # the same either way. Only the (few) due records are sorted.
+    due: list[tuple[tuple[int, str], RequestRecord, FenceReason | None]] = []
+    for record in state.requests.values():
         attempt = record.attempt
         if record.status is RequestStatus.QUEUED and attempt is not None:
             if attempt.reconcile_deadline_ms <= now:
-                _lapse(state, record, out, FenceReason.QUEUE_DEADLINE)
+                due.append((_canonical_order(record), record, FenceReason.QUEUE_DEADLINE))
         elif record.status is RequestStatus.RUNNING and attempt is not None:
             if attempt.run_deadline_ms <= now:
-                _expire_running(state, record, out, FenceReason.RUN_DEADLINE)
+                due.append((_canonical_order(record), record, FenceReason.RUN_DEADLINE))
             elif attempt.lease_deadline_ms <= now:
-                _expire_running(state, record, out, FenceReason.LEASE_EXPIRED)
+                due.append((_canonical_order(record), record, FenceReason.LEASE_EXPIRED))
         else:
             purge_at = purge_at_ms(record, policy)
             if purge_at is not None and purge_at <= now:
-                out.emit(ev.DedupRecordPurged, record.generation_id, idempotency_key=record.idempotency_key)
+                due.append((_canonical_order(record), record, None))
+    due.sort(key=lambda item: item[0])
+    for _, record, reason in due:
+        if reason is None:
+            out.emit(ev.DedupRecordPurged, record.generation_id, idempotency_key=record.idempotency_key)
+        elif reason is FenceReason.QUEUE_DEADLINE:
+            _lapse(state, record, out, reason)
+        else:
+            _expire_running(state, record, out, reason)
     for window in state.windows.values():
         # A window is retained while any reservation in it is unresolved, even past its end.
         if window.window_end_ms <= now and window.reserved == 0:
