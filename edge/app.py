@@ -38,6 +38,7 @@ from edge.settings import EdgeSettings
 from edge.streams import GenerationView, StreamHub
 from edge.tokens import input_token_counter
 from projections.client import CommandClient
+from schemas.codes import RequestStatus
 from schemas.messages import ChatMessage
 from schemas.wire import WIRE_CONTENT_MESSAGE_BYTES_MAX
 
@@ -112,6 +113,22 @@ class Edge:
         if view is None or view.owner != user_id:
             return None  # another user's id answers exactly like an unknown one
         return view
+
+    async def lookup_with_result(self, generation_id: str, user_id: str) -> tuple[GenerationView | None, str | None]:
+        """For GET: the generation if ``user_id`` owns it and, when completed, its retained text
+        (None once expired). From this edge's memory, else one read-model call."""
+        view = self.hub.recent.get(generation_id)
+        if view is None and self.reader is not None:
+            view, text = await self.reader.lookup_with_result(generation_id, user_id)
+            if view is None or view.owner != user_id:
+                return None, None
+            if text is None and view.status is RequestStatus.COMPLETED:
+                text = self.hub.result_of(generation_id)
+            return view, text
+        if view is None or view.owner != user_id:
+            return None, None  # another user's id answers exactly like an unknown one
+        text = await self.result(generation_id, user_id) if view.status is RequestStatus.COMPLETED else None
+        return view, text
 
     async def result(self, generation_id: str, user_id: str) -> str | None:
         """The retained text of a completed generation the caller owns; None once it has expired."""

@@ -64,6 +64,23 @@ class ReadModel:
             v.output_tokens, v.code, v.partial,
         )
 
+    async def lookup_with_result(self, generation_id: str, owner: str) -> tuple[GenerationView | None, str | None]:
+        """The generation and, when completed and retained, its text: one read-model call (GET)."""
+        from projections.queries import ReadModelUnavailable, ResultState
+
+        reader = await self._get_reader()
+        try:
+            v = await reader.get(generation_id, owner=owner, include_result=True)
+        except ReadModelUnavailable:
+            raise _unavailable() from None
+        if v is None:
+            return None, None
+        view = GenerationView(
+            v.generation_id, v.user_id, RequestStatus(v.status), v.model_version or "", v.input_tokens,
+            v.output_tokens, v.code, v.partial,
+        )
+        return view, (v.result_text if v.result is ResultState.AVAILABLE else None)
+
     async def result(self, generation_id: str, owner: str) -> str | None:
         """The retained text of a completed generation, or None when it has expired (410)."""
         from projections.queries import ReadModelUnavailable, ResultState

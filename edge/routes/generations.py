@@ -304,10 +304,9 @@ async def _existing(edge: Any, user_id: str, outcome: Outcome) -> Response:
 )
 async def get_generation(request: Request, principal: CurrentPrincipal, generation_id: GenerationId) -> Response:
     edge = request.app.state.edge
-    view = await edge.lookup(generation_id, principal.user_id)
+    view, text = await edge.lookup_with_result(generation_id, principal.user_id)
     if view is None:
         raise ApiError(RejectionCode.NOT_FOUND)
-    text = await edge.result(generation_id, principal.user_id) if view.status is RequestStatus.COMPLETED else None
     if view.status is RequestStatus.COMPLETED and text is None:
         # The content is past its retention; the metadata outlives it and is served with the 410.
         doc = _document(view, None)
