@@ -57,12 +57,7 @@ class ReadModel:
             v = await reader.get(generation_id, owner=owner, include_result=False)
         except ReadModelUnavailable:
             raise _unavailable() from None
-        if v is None:
-            return None
-        return GenerationView(
-            v.generation_id, v.user_id, RequestStatus(v.status), v.model_version or "", v.input_tokens,
-            v.output_tokens, v.code, v.partial,
-        )
+        return None if v is None else _view(v)
 
     async def lookup_with_result(self, generation_id: str, owner: str) -> tuple[GenerationView | None, str | None]:
         """The generation and, when completed and retained, its text: one read-model call (GET)."""
@@ -75,11 +70,7 @@ class ReadModel:
             raise _unavailable() from None
         if v is None:
             return None, None
-        view = GenerationView(
-            v.generation_id, v.user_id, RequestStatus(v.status), v.model_version or "", v.input_tokens,
-            v.output_tokens, v.code, v.partial,
-        )
-        return view, (v.result_text if v.result is ResultState.AVAILABLE else None)
+        return _view(v), (v.result_text if v.result is ResultState.AVAILABLE else None)
 
     async def result(self, generation_id: str, owner: str) -> str | None:
         """The retained text of a completed generation, or None when it has expired (410)."""
@@ -98,6 +89,13 @@ class ReadModel:
         if self._reader is not None:
             await self._reader.close()
             self._reader = None
+
+
+def _view(v: Any) -> GenerationView:
+    return GenerationView(
+        v.generation_id, v.user_id, RequestStatus(v.status), v.model_version or "", v.input_tokens,
+        v.output_tokens, v.code, v.partial,
+    )
 
 
 def _unavailable() -> ApiError:
