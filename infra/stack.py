@@ -692,6 +692,8 @@ def create_topics(cfg: Config) -> None:
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
+    from projections.kafka_admin import wait_topics_ready
+
     # CHATPLANE_NAMESPACE (as the processes read it) prefixes every topic: isolated deployments
     # (such as a test) share one cluster.
     namespace = os.environ.get("CHATPLANE_NAMESPACE", "")
@@ -723,6 +725,7 @@ def create_topics(cfg: Config) -> None:
                     name, code = err[0], err[1]
                     if code not in (0, TOPIC_ALREADY_EXISTS):
                         raise InfraError(f"creating topic {name} failed: error code {code} {err[2:] or ''}")
+                await wait_topics_ready(admin, {s.name: s.partitions for s in missing})
                 for s in missing:
                     say(f"topic {s.name}: created ({s.partitions} partitions, retention.ms={s.retention_ms})")
             for s in specs:

@@ -6,7 +6,10 @@ broker auto-creation, and a running component refuses to start if the cluster di
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import os
+import time
+from collections.abc import Iterable, Mapping
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
@@ -14,10 +17,43 @@ from schemas.topics import TopicSpec, Topology
 
 ADMIN_REQUEST_TIMEOUT_MS = 30_000
 TOPIC_ALREADY_EXISTS = 36
+# CreateTopics returns once the controller committed the topics; the broker serves them (metadata,
+# DescribeConfigs, produce) only after it applied that record. Creation waits for that, bounded.
+TOPIC_READY_TIMEOUT_S = float(os.environ.get("CHATPLANE_TOPIC_READY_TIMEOUT_S", "30"))
+TOPIC_READY_POLL_S = 0.1
 
 
 class TopologyError(RuntimeError):
     """The cluster's topics do not match the schema (missing, or a different partition count)."""
+
+
+async def wait_topics_ready(
+    admin: AIOKafkaAdminClient, partitions_by_name: Mapping[str, int], timeout_s: float = TOPIC_READY_TIMEOUT_S
+) -> None:
+    """Until the broker lists every named topic with that many partitions, each with a leader."""
+    want = dict(partitions_by_name)
+    if not want:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        meta = {t["topic"]: t for t in await admin.describe_topics(list(want))}
+        pending = [
+            name
+            for name, partitions in want.items()
+            if not _served(meta.get(name), partitions)
+        ]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise TopologyError(f"topics not served by the broker after {timeout_s} s: {', '.join(sorted(pending))}")
+        await asyncio.sleep(TOPIC_READY_POLL_S)
+
+
+def _served(topic: dict | None, partitions: int) -> bool:
+    if topic is None or topic.get("error_code", 0) != 0:
+        return False
+    parts = topic["partitions"]
+    return len(parts) == partitions and all(p["leader"] >= 0 for p in parts)
 
 
 async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec], replication_factor: int = 1) -> list[str]:
@@ -44,6 +80,7 @@ async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec], replication_
             for error in response.topic_errors:
                 if error[1] not in (0, TOPIC_ALREADY_EXISTS):
                     raise TopologyError(f"creating topic {error[0]} failed with error code {error[1]}")
+            await wait_topics_ready(admin, {s.name: s.partitions for s in missing})
         return [s.name for s in missing]
     finally:
         await admin.close()

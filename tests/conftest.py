@@ -28,7 +28,6 @@ Fixtures:
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import time
@@ -44,8 +43,6 @@ INFRA = ROOT / "infra"
 # shorter; these only guard against a hung script).
 SERVER_START_SCRIPT_TIMEOUT_S = 600.0
 SERVER_STOP_SCRIPT_TIMEOUT_S = 120.0
-TOPIC_READY_TIMEOUT_S = 30.0
-TOPIC_READY_POLL_S = 0.2
 ADMIN_REQUEST_TIMEOUT_MS = 30000
 CQL_DDL_TIMEOUT_S = 60.0
 CQL_PROTOCOL_VERSION = 5  # Cassandra 4.0+; saves the driver's downgrade round trips
@@ -178,23 +175,11 @@ async def kafka_admin(kafka_bootstrap):
         await admin.close()
 
 
-async def wait_topic_ready(admin, name: str, partitions: int, timeout_s: float = TOPIC_READY_TIMEOUT_S) -> None:
-    """Until the topic's metadata lists every partition with a leader."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        meta = await admin.describe_topics([name])
-        if meta and meta[0]["error_code"] == 0:
-            parts = meta[0]["partitions"]
-            if len(parts) == partitions and all(p["leader"] >= 0 for p in parts):
-                return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"topic {name} not ready after {timeout_s}s: {meta}")
-        await asyncio.sleep(TOPIC_READY_POLL_S)
-
-
 @pytest.fixture
 async def fresh_topic(kafka_admin, unique_name):
     from aiokafka.admin import NewTopic
+
+    from projections.kafka_admin import wait_topics_ready
 
     created: list[str] = []
 
@@ -208,7 +193,7 @@ async def fresh_topic(kafka_admin, unique_name):
             if err[1] != 0:
                 raise RuntimeError(f"creating topic {name}: {err}")
         created.append(name)
-        await wait_topic_ready(kafka_admin, name, partitions)
+        await wait_topics_ready(kafka_admin, {name: partitions})
         return name
 
     yield make

@@ -25,6 +25,7 @@ async def broker_configs(kafka_admin, specs) -> dict[str, dict[str, str]]:
     got: dict[str, dict[str, str]] = {}
     for r in responses:
         for res in r.to_object()["resources"]:
+            assert res["error_code"] == 0, (res["resource_name"], res["error_code"], res["error_message"])
             got[res["resource_name"]] = {e["config_names"]: e["config_value"] for e in res["config_entries"]}
     return got
 
