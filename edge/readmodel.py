@@ -42,7 +42,8 @@ class ReadModel:
                 try:
                     from projections.queries import GenerationReader
 
-                    self._reader = await asyncio.wait_for(GenerationReader.open(), READ_MODEL_OPEN_TIMEOUT_S)
+                    async with asyncio.timeout(READ_MODEL_OPEN_TIMEOUT_S):
+                        self._reader = await GenerationReader.open()
                 except Exception as exc:  # noqa: BLE001 - any failure is "unavailable"; retried later
                     log.warning("read model unavailable: %s", type(exc).__name__)
         if self._reader is None:

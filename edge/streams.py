@@ -362,13 +362,15 @@ class StreamHub:
 
     async def _after_grace(self, stream: GenerationStream) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stream.done.wait(), self.settings.disconnect_grace_s)
+            async with asyncio.timeout(self.settings.disconnect_grace_s):
+                await stream.done.wait()
         if stream.finalized is None:
             self.metrics.disconnect_cancels.inc()
             log.debug("client gone: cancelling generation_id=%s", stream.generation_id)
             await self.send_cancel(stream.user_id, stream.generation_id, CancelReason.CLIENT_DISCONNECT)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stream.done.wait(), self.settings.generation_wait_s_max)
+                async with asyncio.timeout(self.settings.generation_wait_s_max):
+                    await stream.done.wait()
         self._drop(stream)
 
     # --- writer -------------------------------------------------------------------------------
@@ -397,7 +399,10 @@ class StreamHub:
                     self.cancel(stream, CancelReason.CLIENT_DISCONNECT)
                     return
                 try:
-                    await asyncio.wait_for(stream.wake.wait(), min(self.settings.heartbeat_interval_s, remaining))
+                    # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancellation (the
+                    # client went away) that arrives as the wake-up does.
+                    async with asyncio.timeout(min(self.settings.heartbeat_interval_s, remaining)):
+                        await stream.wake.wait()
                 except TimeoutError:
                     yield sse.HEARTBEAT
         finally:
@@ -405,7 +410,8 @@ class StreamHub:
 
     async def wait_done(self, stream: GenerationStream, timeout_s: float) -> bool:
         try:
-            await asyncio.wait_for(stream.done.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await stream.done.wait()
         except TimeoutError:
             return False
         return True

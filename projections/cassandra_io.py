@@ -66,4 +66,5 @@ async def execute(
         hand_over(None, exc)
 
     response.add_callbacks(on_page, on_error)
-    return await asyncio.wait_for(fut, timeout_s)
+    async with asyncio.timeout(timeout_s):  # not wait_for: it can drop a caller's cancellation on 3.11
+        return await fut

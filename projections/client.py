@@ -115,7 +115,10 @@ class CommandClient:
         self._pending[command.command_id] = fut
         try:
             await self.send(command)
-            return await asyncio.wait_for(fut, timeout_s or self.decision_timeout_s)
+            # asyncio.timeout, not wait_for: 3.11's wait_for returns the answer and drops a
+            # cancellation that arrives in the same loop turn (a cancelled caller would go on).
+            async with asyncio.timeout(timeout_s or self.decision_timeout_s):
+                return await fut
         except TimeoutError:
             raise DecisionTimeout(f"no decision for {command.type} within {timeout_s or self.decision_timeout_s}s") from None
         finally:

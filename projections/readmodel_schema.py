@@ -155,7 +155,8 @@ def _connect_blocking(settings: ReadModelSettings) -> tuple[Any, Any]:
 
 async def open_session(settings: ReadModelSettings) -> tuple[Any, Any]:
     """Connect off the loop; returns ``(cluster, session)``. Call ``close_cluster(cluster)`` when done."""
-    return await asyncio.wait_for(asyncio.to_thread(_connect_blocking, settings), CONNECT_TIMEOUT_S)
+    async with asyncio.timeout(CONNECT_TIMEOUT_S):
+        return await asyncio.to_thread(_connect_blocking, settings)
 
 
 async def close_cluster(cluster: Any) -> None:
@@ -164,7 +165,8 @@ async def close_cluster(cluster: Any) -> None:
 
 async def prepare(session: Any, cql: str) -> Any:
     """Prepare off the loop (the driver's ``prepare`` blocks); the driver re-prepares after a restart."""
-    return await asyncio.wait_for(asyncio.to_thread(session.prepare, cql), DDL_TIMEOUT_S)
+    async with asyncio.timeout(DDL_TIMEOUT_S):
+        return await asyncio.to_thread(session.prepare, cql)
 
 
 async def ensure_schema(session: Any, settings: ReadModelSettings, *, create_keyspace: bool = True) -> None:
