@@ -47,6 +47,8 @@ class WorkerSettings:
     paid_weight: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_PAID_WEIGHT", 3))
     free_min_share: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_FREE_MIN_SHARE", 0.2))
     heartbeat_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_HEARTBEAT_INTERVAL_S", 1.0))
+    # A change of free slots sends a heartbeat at once, but never more than one per this interval.
+    heartbeat_min_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_HEARTBEAT_MIN_INTERVAL_S", 0.05))
     renew_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_RENEW_INTERVAL_S", 3.0))
     prompt_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_PROMPT_TIMEOUT_S", 2.0))
     decision_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_DECISION_TIMEOUT_S", 3.0))

@@ -186,6 +186,9 @@ class Worker:
         self.slots = max(1, limit)
         self.free_slots = self.slots
         self._slot_freed = asyncio.Event()
+        # Set whenever free_slots changes: the heartbeat goes out then, not at the next interval, so
+        # the edge's capacity view sees a freed slot before the client sees the generation end.
+        self._capacity_changed = asyncio.Event()
         self.active: dict[tuple[str, int], _Stop] = {}
         self.preparing = 0  # dispatches taken, not yet accepted or declined
         self.traces: dict[tuple[str, int], AttemptTrace] = {}
@@ -405,6 +408,7 @@ class Worker:
             self._offsets.begin(tp, record.offset)
             self.free_slots -= 1
             self.preparing += 1
+            self._capacity_changed.set()
             task = asyncio.create_task(self._handle(tp, record.offset, record.value))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -446,10 +450,15 @@ class Worker:
             await self._commit_pending()
 
     def _free_slot(self, trace: AttemptTrace | None) -> None:
-        self.free_slots += 1
+        """Give the attempt's slot back (once: ``_run`` frees it when the engine stopped, ``_handle``
+        in any case)."""
         if trace is not None:
+            if trace.slot_freed_at is not None:
+                return
             trace.slot_freed_at = time.monotonic()
+        self.free_slots += 1
         self._slot_freed.set()
+        self._capacity_changed.set()
 
     # --- one attempt --------------------------------------------------------------------------------
 
@@ -655,6 +664,11 @@ class Worker:
             # Bounded: a renewal in flight ends within its decision timeout, and ``ended`` stops the loop.
             await asyncio.wait({renewer}, timeout=RENEWER_STOP_TIMEOUT_S)
             self.active.pop(key, None)
+            if finished is not None:
+                # The engine ended the sequence: its slot is free now, before the result write and
+                # the report (which wait on Cassandra and the processor, not on the engine). After a
+                # failure (an abort never acknowledged, a stall) the slot is freed only at the end.
+                self._free_slot(trace)
         if send_futures:
             with contextlib.suppress(KafkaError):
                 await asyncio.gather(*send_futures)
@@ -727,12 +741,19 @@ class Worker:
         )
 
     async def _heartbeat_loop(self) -> None:
+        """A heartbeat every ``heartbeat_interval_s``, and one as soon as free capacity changed (at
+        most one per ``heartbeat_min_interval_s``)."""
         assert self.producer is not None
         while True:
+            self._capacity_changed.clear()
+            sent_at = time.monotonic()
             try:
                 await self.producer.send_and_wait(
                     self.settings.topology.capacity.name, encode(self.heartbeat()), key=self.settings.worker_id.encode()
                 )
             except KafkaError as exc:
                 log.warning("heartbeat not sent: %s", type(exc).__name__)
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, sent_at + self.settings.heartbeat_interval_s - time.monotonic())):
+                    await self._capacity_changed.wait()
+            await asyncio.sleep(max(0.0, sent_at + self.settings.heartbeat_min_interval_s - time.monotonic()))

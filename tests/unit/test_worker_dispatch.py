@@ -84,3 +84,55 @@ async def test_a_decision_wait_cancelled_as_its_answer_arrives_is_still_cancelle
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+class _RecordingProducer:
+    """Stands in for the producer: records every send."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+        self.arrived = None
+
+    async def send_and_wait(self, topic, value, key=None, partition=None):
+        self.sent.append((topic, value))
+        if self.arrived is not None:
+            self.arrived.set()
+        return None
+
+
+async def test_a_freed_slot_is_announced_by_a_heartbeat_at_once_not_at_the_next_interval():
+    """With one slot, an edge that still sees the last "0 free" heartbeat refuses the next request
+    with capacity_exhausted; so a slot change sends a heartbeat at once (bounded by the min interval)."""
+    import asyncio
+    import contextlib
+
+    from schemas.messages import WorkerHeartbeat
+    from schemas.wire import decode_message
+
+    settings = WorkerSettings(kafka_bootstrap="127.0.0.1:1", topology=Topology("unit"), worker_id="w-unit",
+                              heartbeat_interval_s=3600.0, heartbeat_min_interval_s=0.0, slots=1)
+    w = Worker(settings, SimulatedEngine(SimConfig()), default_registry().get("fast-text-model"))
+    producer = _RecordingProducer()
+    producer.arrived = asyncio.Event()
+    w.producer = producer  # type: ignore[assignment]
+    loop = asyncio.create_task(w._heartbeat_loop())
+    try:
+        async def next_heartbeat() -> WorkerHeartbeat:
+            producer.arrived.clear()
+            async with asyncio.timeout(30):  # an hour-long interval: only the change can send it
+                await producer.arrived.wait()
+            hb = decode_message(producer.sent[-1][1])
+            assert isinstance(hb, WorkerHeartbeat)
+            return hb
+
+        assert (await next_heartbeat()).free_slots == 1
+        w.free_slots -= 1  # what the dispatch loop does when it takes a dispatch
+        w._capacity_changed.set()
+        assert (await next_heartbeat()).free_slots == 0
+        w._free_slot(None)
+        assert (await next_heartbeat()).free_slots == 1
+        assert len(producer.sent) == 3
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
