@@ -213,10 +213,37 @@ def count_input_tokens(alias: str, messages: Iterable[tuple[str, str]], registry
     Raises ``UnknownModel``.
     """
     model = (registry or default_registry()).get(alias)
-    texts = [model.system_instructions, *(content for _role, content in messages)]
     if model.engine == "cpu" and model.weights_path is not None and llama_cpp_available():
-        vocab = _vocab(str(model.weights_path))
-        return sum(
-            len(vocab.tokenize(t.encode(), add_bos=False, special=False)) + FALLBACK_TOKENS_PER_MESSAGE for t in texts
+        path = str(model.weights_path)
+        return _system_tokens(path, model.system_instructions) + sum(
+            _token_count(path, content) + FALLBACK_TOKENS_PER_MESSAGE for _role, content in messages
         )
-    return fallback_token_estimate(texts)
+    return fallback_token_estimate([model.system_instructions, *(content for _role, content in messages)])
+
+
+@functools.lru_cache(maxsize=64)
+def _system_tokens(path: str, text: str) -> int:
+    """The trusted instructions are the same for every request of a model: counted once."""
+    return _token_count(path, text) + FALLBACK_TOKENS_PER_MESSAGE
+
+
+def _token_count(path: str, text: str) -> int:  # pragma: no cover - needs llama-cpp-python
+    """Tokens of ``text`` in one tokenizer pass.
+
+    ``Llama.tokenize`` (0.3.x) sizes its buffer by the context length, which a vocabulary-only model
+    reports as 0, so it tokenizes every text twice (once to learn the size); a BPE token covers at
+    least one byte, so ``len(data) + 1`` tokens always suffice here.
+    """
+    vocab = _vocab(path)
+    data = text.encode()
+    handle = getattr(getattr(vocab, "_model", None), "vocab", None)
+    if handle is None:  # another llama-cpp-python layout: the public (slower) call
+        return len(vocab.tokenize(data, add_bos=False, special=False))
+    import llama_cpp
+
+    size = len(data) + 1
+    buf = (llama_cpp.llama_token * size)()
+    n = llama_cpp.llama_tokenize(handle, data, len(data), buf, size, False, False)
+    if n < 0:
+        return len(vocab.tokenize(data, add_bos=False, special=False))
+    return n

@@ -78,3 +78,11 @@ def _valid_utf8(b: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+@pytest.mark.parametrize("text", ["", "hi", "Name three colors. " * 20, "é漢字🙂 mixed ünïcödé " * 30, "x" * 5000])
+def test_one_pass_token_count_equals_the_tokenizers_own(text):
+    from workers.registry import _token_count, _vocab, default_registry
+
+    path = str(default_registry().get("fast-text-model").weights_path)
+    assert _token_count(path, text) == len(_vocab(path).tokenize(text.encode(), add_bos=False, special=False))
