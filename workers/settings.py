@@ -50,6 +50,9 @@ class WorkerSettings:
     # A change of free slots sends a heartbeat at once, but never more than one per this interval.
     heartbeat_min_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_HEARTBEAT_MIN_INTERVAL_S", 0.05))
     renew_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_RENEW_INTERVAL_S", 3.0))
+    # The processor's lease (the same variable it reads, default Policy.lease_ms): an attempt whose
+    # lease no renewal confirmed in time stops its engine ("lease_lost") instead of computing on.
+    lease_ms: int = field(default_factory=lambda: _int("CHATPLANE_LEASE_MS", 10_000))
     prompt_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_PROMPT_TIMEOUT_S", 2.0))
     decision_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_DECISION_TIMEOUT_S", 3.0))
     decision_attempts_max: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_DECISION_ATTEMPTS_MAX", 3))

@@ -114,6 +114,7 @@ class AttemptTrace:
     taken_at: float = field(default_factory=time.monotonic)  # the dispatch was taken from its topic
     prompt_at: float | None = None  # the edge's PromptPayload arrived
     accepted_at: float | None = None  # the processor's acceptance arrived
+    lease_until_ms: int = 0  # the lease the processor confirmed (acceptance or the last renewal)
     engine_started_at: float | None = None
     engine_first_token_at: float | None = None
     stop_requested_at: float | None = None
@@ -537,12 +538,14 @@ class Worker:
         if now_ms() > d.queue_deadline_ms:
             await self._decline(d, trace, "queue_deadline")
             return None
-        outcome = await self.decide(self._command(cmd.AcceptAttempt, d))
+        accept = self._command(cmd.AcceptAttempt, d)
+        outcome = await self.decide(accept)
         if outcome is None or outcome.kind not in (OutcomeKind.APPLIED, OutcomeKind.EXISTING) or outcome.status is not RequestStatus.RUNNING:
             trace.declined = f"not_accepted:{outcome.code.value if outcome and outcome.code else 'no_decision'}"
             return None
         trace.accepted = True
         trace.accepted_at = time.monotonic()
+        trace.lease_until_ms = accept.issued_at_ms + self.settings.lease_ms
         return payload
 
     def _engine_request(self, d: DispatchAuthorized, payload: PromptPayload) -> EngineRequest:
@@ -566,7 +569,7 @@ class Worker:
         progress = {"tokens": 0}
         first_token = asyncio.Event()
         ended = asyncio.Event()  # the attempt is over: the renewer stops even if its cancel is lost
-        renewer = asyncio.create_task(self._renew_loop(d, stop, progress, ended, first_token))
+        renewer = asyncio.create_task(self._renew_loop(d, trace, stop, progress, ended, first_token))
         request = self._engine_request(d, payload)
         generation = self.engine.generate(request)
         trace.engine_started_at = time.monotonic()
@@ -689,7 +692,7 @@ class Worker:
             outcome, code, reason = FinishOutcome.COMPLETED, None, finished.reason.value
         trace.outcome = outcome
         text = "".join(text_parts)
-        if stop.reason != "fenced":
+        if stop.reason not in ("fenced", "lease_lost"):
             await self.result_sink.put(d.generation_id, d.epoch, text, (inputs, tokens))
         # Reported also when fenced: the processor drops it and records LateReportIgnored.
         trace.report = await self.decide(
@@ -700,7 +703,8 @@ class Worker:
         )
 
     async def _renew_loop(
-        self, d: DispatchAuthorized, stop: _Stop, progress: dict[str, int], ended: asyncio.Event, first_token: asyncio.Event
+        self, d: DispatchAuthorized, trace: AttemptTrace, stop: _Stop, progress: dict[str, int], ended: asyncio.Event,
+        first_token: asyncio.Event,
     ) -> None:
         # The first renewal goes out as soon as the engine produced a token (at the latest after one
         # interval): the processor's ``partial`` after a crash is "output tokens reported > 0", so a
@@ -709,16 +713,30 @@ class Worker:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.settings.renew_interval_s):
                 await first_token.wait()
+        lease_ms = self.settings.lease_ms
         while not stop.event.is_set() and not ended.is_set():
-            outcome = await self.decide(self._command(cmd.RenewLease, d, output_tokens=progress["tokens"]))
-            # No answer (None): the lease may still be valid; the next renewal tries again.
+            renewal = self._command(cmd.RenewLease, d, output_tokens=progress["tokens"])
+            try:
+                # Never wait for an answer past the confirmed lease: after it the processor fences us.
+                async with asyncio.timeout(max(0.0, (trace.lease_until_ms - now_ms()) / 1000)):
+                    outcome = await self.decide(renewal)
+            except TimeoutError:
+                outcome = None
+            if outcome is not None and outcome.kind in (OutcomeKind.APPLIED, OutcomeKind.CANCEL_REQUESTED):
+                trace.lease_until_ms = max(trace.lease_until_ms, renewal.issued_at_ms + lease_ms)
             if outcome is not None and outcome.kind is OutcomeKind.CANCEL_REQUESTED:
                 stop.set("cancel")
             elif outcome is not None and outcome.kind is OutcomeKind.REJECTED:
                 stop.set("fenced", FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR)
+            elif now_ms() >= trace.lease_until_ms:
+                # No renewal confirmed within the lease (the processor unreachable, or too slow): it
+                # fences this epoch at that deadline, so computing on is GPU time nobody gets. Stop.
+                log.warning("lease of %s epoch %d lost (no renewal confirmed): stopping", d.generation_id, d.epoch)
+                stop.set("lease_lost", FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR)
+            # No answer (None) within the lease: the next renewal tries again.
             if stop.event.is_set() or ended.is_set():
                 return
-            await asyncio.sleep(self.settings.renew_interval_s)
+            await asyncio.sleep(min(self.settings.renew_interval_s, max(0.0, (trace.lease_until_ms - now_ms()) / 1000)))
 
     # --- capacity heartbeats ------------------------------------------------------------------------
 

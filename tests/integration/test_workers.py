@@ -178,6 +178,32 @@ async def test_lease_expiry_fences_a_silent_worker_and_its_late_report_is_droppe
     assert not any(isinstance(e, ev.UsageRecorded) and e.output_tokens == trace.output_tokens for e in events if trace.output_tokens)
 
 
+async def test_a_worker_that_cannot_renew_its_lease_stops_its_engine_by_itself(
+    kafka_bootstrap, topology, processor, edge, client
+):
+    """The processor dies mid-generation: no renewal is confirmed, so at the end of the confirmed
+    lease the worker aborts the engine itself ("lease_lost") instead of computing for nobody. After a
+    restart the processor settles the attempt as failed (its fence or the worker's report)."""
+    cfg = SimConfig(ttft_ms=10, inter_token_ms=20, jitter_ms=0, output_tokens=100_000)
+    settings = worker_settings(kafka_bootstrap, topology, lease_ms=LEASE_MS, decision_timeout_s=0.5)
+    async with Worker(settings, SimulatedEngine(cfg), served("sim")) as worker:
+        u = user()
+        gid = await edge.submit(u, max_output_tokens=4000)
+        await edge.wait_for(lambda: len(edge.deltas[gid]) >= 5, what="5 deltas")
+        processor.kill9()
+        trace = worker.traces[(gid, 1)]
+        await edge.wait_for(lambda: trace.stopped_at is not None, timeout_s=60, what="the worker to stop its engine")
+        assert trace.stop_reason == "lease_lost", trace
+        assert trace.tokens_after_stop is not None and trace.tokens_after_stop <= 2, trace
+        assert trace.outcome is FinishOutcome.FAILED
+        # Stopped at the lease it had confirmed, not at the end of the 100,000-token generation.
+        assert trace.output_tokens < 4000
+        processor.start()
+        await wait_until_deciding(client)
+        final = await edge.wait_finalized(gid, timeout_s=60)
+        assert final.status is RequestStatus.FAILED and final.code is RejectionCode.MODEL_BACKEND_ERROR
+
+
 async def test_kill9_mid_stream_ends_in_model_backend_error_partial_with_no_second_attempt(
     kafka_bootstrap, topology, edge, tmp_path
 ):
