@@ -8,7 +8,9 @@
    the time from its first to its last decision is measured (decisions counted on the inbox).
 2. Latency: submits paced at --rate per second from a client that produces to COMMANDS and reads its
    inbox, p50/p99 of submit -> decision, beside the floor measured in the same run: a bare aiokafka
-   produce -> consume round trip on one topic with the same producer/consumer settings.
+   produce -> consume round trip on one topic with the same producer/consumer settings. Nothing
+   accepts the attempts, so by default their queue deadline is set past the run; --expiry-wave keeps
+   the policy's 15 s and splits the figure at the moment the timer starts fencing them all.
 3. Recovery: --recovery-users users' state in the table, kill -9, restart, time until the first
    decision for a previously seen user (includes faust start, rebalance and changelog recovery).
 """
@@ -31,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from control_plane.decide import generation_id_for  # noqa: E402
 from projections.client import CommandClient  # noqa: E402
 from projections.kafka_admin import delete_topics, ensure_topics  # noqa: E402
+from projections.settings import policy_from_env  # noqa: E402
 from schemas import commands as cmd  # noqa: E402
 from schemas.codes import FinishOutcome, Tier  # noqa: E402
 from schemas.commands import ReplyTo  # noqa: E402
@@ -185,12 +188,19 @@ async def floor_round_trip(bootstrap: str, rate: float, seconds: float) -> list[
     return latencies
 
 
-async def latency(bootstrap: str, rate: float, seconds: float, tmp: Path) -> None:
+async def latency(bootstrap: str, rate: float, seconds: float, tmp: Path, expiry_wave: bool = False,
+                  users: int = 1000) -> None:
+    policy = policy_from_env()
     floor = await floor_round_trip(bootstrap, rate, seconds)
     topology = Topology(f"lat{uuid.uuid4().hex[:8]}")
     await ensure_topics(bootstrap, topology.all())
+    # No worker accepts here and the concurrency limit is lifted, so every admitted attempt stays
+    # queued (in its user's hot value) until its queue deadline, then the timer fences them all: a
+    # wave no deployment sees unless its workers stop accepting while admission goes on. By default
+    # the deadline lies past the run (steady state); --expiry-wave keeps the policy's deadline.
+    env = {} if expiry_wave else {"CHATPLANE_QUEUE_WAIT_MAX_MS": int((seconds + WARMUP_S + 120) * 1000)}
     p = ProcessorProcess(bootstrap, topology.namespace, tmp, CHATPLANE_CONCURRENCY_LIMIT=100000,
-                         CHATPLANE_QUOTA_FREE_PER_WINDOW=1000000)
+                         CHATPLANE_QUOTA_FREE_PER_WINDOW=1000000, **env)
     p.start("lat")
     try:
         async with CommandClient(bootstrap, topology, inbox_partition=2, decision_timeout_s=30) as client:
@@ -201,7 +211,7 @@ async def latency(bootstrap: str, rate: float, seconds: float, tmp: Path) -> Non
 
             async def one(i: int) -> None:
                 c = cmd.SubmitGeneration(
-                    command_id=uuid.uuid4().hex, user_id=f"lat-user-{i % 1000}", issued_at_ms=int(time.time() * 1000),
+                    command_id=uuid.uuid4().hex, user_id=f"lat-user-{i % users}", issued_at_ms=int(time.time() * 1000),
                     idempotency_key=f"k{i}", fingerprint="fp-bench-000", model_alias="fast-text-model",
                     tier=Tier.FREE, stream=True, max_output_tokens=100, input_tokens=10, reply_to=client.reply_to(),
                 )
@@ -228,8 +238,18 @@ async def latency(bootstrap: str, rate: float, seconds: float, tmp: Path) -> Non
     f50, f99 = pct(floor, 50) * 1000, pct(floor, 99) * 1000
     l50, l99 = pct(latencies, 50) * 1000, pct(latencies, 99) * 1000
     print(f"floor (bare aiokafka produce->consume) at {rate:.0f}/s: p50 {f50:.1f} ms, p99 {f99:.1f} ms ({len(floor)} messages)")
-    print(f"submit->decision at {rate:.0f}/s: p50 {l50:.1f} ms, p99 {l99:.1f} ms ({len(latencies)} commands; target p99 <= 50 ms)")
+    print(f"submit->decision at {rate:.0f}/s, {users} users: p50 {l50:.1f} ms, p99 {l99:.1f} ms ({len(latencies)} commands; "
+          "target p99 <= 50 ms)")
     print(f"ratio to floor: p50 x{l50 / f50:.2f}, p99 x{l99 / f99:.2f}")
+    # No worker accepts here, so from queue deadline + reconcile grace after the first submit on, the
+    # timer fences expiring attempts (one ReconcileDue per user and deadline) beside the submits.
+    wave_s = (policy.queue_wait_max_ms + policy.reconcile_grace_ms) / 1000
+    for label, part in () if not expiry_wave else (
+        (f"sent before the first deadline wave (< {wave_s:.0f} s)", [b for a, b in timeline if a < wave_s]),
+        ("sent during the deadline waves", [b for a, b in timeline if a >= wave_s]),
+    ):
+        if part:
+            print(f"  {label}: p50 {pct(part, 50) * 1000:.1f} ms, p99 {pct(part, 99) * 1000:.1f} ms ({len(part)} commands)")
 
 
 async def recovery(bootstrap: str, users: int, tmp: Path) -> None:
@@ -285,13 +305,17 @@ async def main() -> None:
     parser.add_argument("--latency-seconds", type=float, default=20.0)
     parser.add_argument("--recovery-users", type=int, default=100_000)
     parser.add_argument("--only", choices=["throughput", "latency", "recovery"])
+    parser.add_argument("--latency-users", type=int, default=1000,
+                        help="latency: submits go round-robin to this many users (each holds its queued attempts)")
+    parser.add_argument("--expiry-wave", action="store_true",
+                        help="latency: keep the policy's queue deadline, so the run includes the fencing of every queued attempt")
     args = parser.parse_args()
     tmp = ROOT / "var" / "bench"
     tmp.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "throughput"):
         await throughput(args.bootstrap, args.commands, tmp)
     if args.only in (None, "latency"):
-        await latency(args.bootstrap, args.rate, args.latency_seconds, tmp)
+        await latency(args.bootstrap, args.rate, args.latency_seconds, tmp, args.expiry_wave, args.latency_users)
     if args.only in (None, "recovery"):
         await recovery(args.bootstrap, args.recovery_users, tmp)
 

@@ -48,9 +48,6 @@ from schemas.wire import WireError, decode_command, encode
 log = logging.getLogger("chatplane.processor")
 
 DEAD_LETTER_VALUE_BYTES_MAX = 4_096  # how much of an undecodable message the dead letter keeps
-# ReconcileDue commands the timer appends per tick at most: a burst of due deadlines (after a
-# recovery, say) is spread over ticks instead of stalling the event loop and the agent.
-RECONCILE_COMMANDS_PER_TICK_MAX = 500
 
 
 def user_partition(user_id: bytes, partitions: int) -> int:
@@ -354,7 +351,7 @@ class AdmissionProcessor:
         now_ms = int(time.time() * 1000)
         due = [key for key, deadline in self._deadlines.items() if deadline <= now_ms]
         due.sort(key=self._deadlines.__getitem__)
-        for key in due[:RECONCILE_COMMANDS_PER_TICK_MAX]:
+        for key in due[: self.settings.reconcile_commands_per_tick_max]:
             user_id = key.decode()
             command = ReconcileDue(
                 command_id=f"reconcile:{user_id}:{now_ms}:{self.settings.instance_id}",

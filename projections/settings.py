@@ -53,6 +53,10 @@ class ProcessorSettings:
     # after a crash (and answered from the aggregates' decision memory).
     commit_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_PROCESSOR_COMMIT_INTERVAL_S", 1.0))
     reconcile_tick_s: float = field(default_factory=lambda: _float("CHATPLANE_RECONCILE_TICK_S", 0.5))
+    # ReconcileDue commands the timer appends per tick at most: a burst of due deadlines (a worker
+    # pool outage lets every queued attempt expire together; a recovery) is spread over ticks, so
+    # the commands behind it on the same partitions (new submits) are not starved.
+    reconcile_commands_per_tick_max: int = field(default_factory=lambda: _int("CHATPLANE_RECONCILE_PER_TICK_MAX", 500))
     # After the timer appended a ReconcileDue for a user, it waits this long before appending another.
     reconcile_resend_ms: int = field(default_factory=lambda: _int("CHATPLANE_RECONCILE_RESEND_MS", 5_000))
     # Commands decided but not yet durable (their outputs unacknowledged by Kafka, their state not
