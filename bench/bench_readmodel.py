@@ -360,7 +360,17 @@ class HttpPool:
         try:
             head = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
             writer.write(head.encode())
-            raw = await reader.readuntil(b"\r\n\r\n")
+            try:
+                raw = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as exc:
+                if exc.partial:
+                    raise
+                # The server closed this kept-alive connection while it sat idle (uvicorn's
+                # timeout_keep_alive): as HTTP clients do for an idempotent GET, retry once on a new one.
+                writer.close()
+                reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                writer.write(head.encode())
+                raw = await reader.readuntil(b"\r\n\r\n")
             lines = raw.decode("latin-1").split("\r\n")
             status = int(lines[0].split()[1])
             length = next(int(v) for k, _, v in (ln.partition(":") for ln in lines[1:]) if k.lower() == "content-length")
