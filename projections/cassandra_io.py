@@ -10,10 +10,34 @@ blocking ``session.execute`` from a coroutine.
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections import namedtuple
 from typing import Any
 
 # Default bound on one statement, client side (the server has its own read/write timeouts).
 DEFAULT_STATEMENT_TIMEOUT_S = 10.0
+ROW_CLASSES_MAX = 256  # distinct column lists whose row class is kept
+
+
+@functools.lru_cache(maxsize=ROW_CLASSES_MAX)
+def _row_class(colnames: tuple[str, ...]) -> type:
+    from cassandra.query import _clean_column_name, _sanitize_identifiers
+
+    clean = [_clean_column_name(c) for c in colnames]
+    try:
+        return namedtuple("Row", clean)
+    except ValueError:  # names namedtuple refuses: positional names, as the driver does
+        return namedtuple("Row", _sanitize_identifiers(clean))
+
+
+def named_tuple_rows(colnames: list[str], rows: list) -> list:
+    """The driver's default ``named_tuple_factory`` with the row class built once per column list.
+
+    The driver builds a new ``namedtuple`` class for every result set (~0.1 ms of CPU, 10 % of an
+    edge GET in a profile); the same prepared statements return the same columns every time.
+    """
+    cls = _row_class(tuple(colnames))
+    return [cls(*row) for row in rows]
 
 
 def _settle(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from projections.cassandra_io import execute
+from projections.cassandra_io import execute, named_tuple_rows
 from schemas.topics import GENERATIONS_TABLE, KEYSPACE, RESULTS_TABLE
 
 CQL_PROTOCOL_VERSION = 5  # Cassandra 4.0+; skips the driver's downgrade round trips
@@ -144,7 +144,9 @@ def _connect_blocking(settings: ReadModelSettings) -> tuple[Any, Any]:
         protocol_version=CQL_PROTOCOL_VERSION,
         connect_timeout=DRIVER_CONNECT_TIMEOUT_S,
         reconnection_policy=ConstantReconnectionPolicy(RECONNECT_DELAY_S, max_attempts=None),
-        execution_profiles={EXEC_PROFILE_DEFAULT: ExecutionProfile(load_balancing_policy=RoundRobinPolicy())},
+        execution_profiles={
+            EXEC_PROFILE_DEFAULT: ExecutionProfile(load_balancing_policy=RoundRobinPolicy(), row_factory=named_tuple_rows)
+        },
     )
     try:
         return cluster, cluster.connect()
