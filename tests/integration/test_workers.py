@@ -63,6 +63,16 @@ def user() -> str:
     return f"u-{uuid.uuid4().hex[:8]}"
 
 
+async def failed_with_report(edge, worker: Worker, max_output_tokens: int, code: RejectionCode):
+    """Submit for a new user; the generation must end failed with ``code``. Returns (final, trace)
+    once the worker's own report was answered."""
+    gid = await edge.submit(user(), max_output_tokens=max_output_tokens)
+    final = await edge.wait_finalized(gid)
+    assert final.status is RequestStatus.FAILED and final.code is code, final
+    await edge.wait_for(lambda: worker.traces[(gid, 1)].report is not None, what="the worker's report")
+    return final, worker.traces[(gid, 1)]
+
+
 async def test_a_generation_streams_from_the_sim_worker_with_usage_heartbeats_and_result(kafka_bootstrap, topology, edge):
     sink = MemoryResultSink()
     async with sim_worker(kafka_bootstrap, topology, sink) as worker:
@@ -159,13 +169,9 @@ async def test_lease_expiry_fences_a_silent_worker_and_its_late_report_is_droppe
     # A worker that stops renewing (renewals every 60 s, the lease is 3 s): the processor fences it.
     settings = worker_settings(kafka_bootstrap, topology, renew_interval_s=60.0)
     async with Worker(settings, SimulatedEngine(cfg), served("sim")) as worker:
-        u = user()
-        gid = await edge.submit(u, max_output_tokens=2000)
-        final = await edge.wait_finalized(gid)
-        assert final.status is RequestStatus.FAILED and final.code is RejectionCode.MODEL_BACKEND_ERROR
         # (partial is the processor's view: this worker never renewed, so it never reported a token.)
-        await edge.wait_for(lambda: worker.traces[(gid, 1)].report is not None, what="the late report")
-        trace = worker.traces[(gid, 1)]
+        _, trace = await failed_with_report(edge, worker, 2000, RejectionCode.MODEL_BACKEND_ERROR)
+        gid = trace.generation_id
         assert trace.stop_reason == "fenced"
         assert trace.report.kind is OutcomeKind.REJECTED and trace.report.code is RejectionCode.STALE_ATTEMPT
         received = len(edge.deltas[gid])
@@ -309,12 +315,8 @@ async def test_an_engine_crash_mid_stream_fails_the_attempt_with_model_backend_e
     kafka_bootstrap, topology, edge
 ):
     async with sim_worker(kafka_bootstrap, topology, output_tokens=200, crash_after_tokens=5) as worker:
-        u = user()
-        gid = await edge.submit(u, max_output_tokens=200)
-        final = await edge.wait_finalized(gid)
-        assert final.status is RequestStatus.FAILED and final.code is RejectionCode.MODEL_BACKEND_ERROR
-        await edge.wait_for(lambda: worker.traces[(gid, 1)].report is not None, what="the report")
-        trace = worker.traces[(gid, 1)]
+        final, trace = await failed_with_report(edge, worker, 200, RejectionCode.MODEL_BACKEND_ERROR)
+        gid = trace.generation_id
         assert trace.outcome is FinishOutcome.FAILED and trace.output_tokens == 5
         assert final.output_tokens == 5 and final.partial is True  # usage of what ran, also on failure
         assert [d.sequence for d in edge.deltas[gid]] == [1, 2, 3, 4, 5]
@@ -335,13 +337,9 @@ async def test_max_generation_duration_and_a_stalled_engine_end_the_attempt(kafk
     stalls = SimConfig(ttft_ms=10, inter_token_ms=10, jitter_ms=0, output_tokens=200, stall_after_tokens=3, stall_s=60)
     settings = worker_settings(kafka_bootstrap, topology, engine_stall_max_s=1.0)
     async with Worker(settings, SimulatedEngine(stalls), served("sim")) as worker:
-        u = user()
-        gid = await edge.submit(u, max_output_tokens=200)
-        final = await edge.wait_finalized(gid)
-        assert final.status is RequestStatus.FAILED and final.code is RejectionCode.MODEL_BACKEND_ERROR, final
-        await edge.wait_for(lambda: worker.traces[(gid, 1)].report is not None, what="the report")
-        assert worker.traces[(gid, 1)].report.kind is OutcomeKind.APPLIED
-        assert worker.traces[(gid, 1)].output_tokens == 3 and worker.free_slots == worker.slots
+        _, trace = await failed_with_report(edge, worker, 200, RejectionCode.MODEL_BACKEND_ERROR)
+        assert trace.report.kind is OutcomeKind.APPLIED
+        assert trace.output_tokens == 3 and worker.free_slots == worker.slots
 
 
 async def test_a_worker_whose_topics_do_not_exist_fails_at_start_and_names_them(kafka_bootstrap):
