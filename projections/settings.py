@@ -21,6 +21,11 @@ def _float(name: str, default: float) -> float:
     return default if raw in (None, "") else float(raw)
 
 
+def _pairs(raw: str) -> frozenset[tuple[int, int]]:
+    pairs = (item.split(":") for item in raw.split(",") if item.strip())
+    return frozenset((int(a), int(b)) for a, b in pairs)
+
+
 def policy_from_env() -> Policy:
     """The admission policy; every limit can be set by a ``CHATPLANE_*`` variable."""
     base = Policy()
@@ -62,5 +67,14 @@ class ProcessorSettings:
     # Commands decided but not yet durable (their outputs unacknowledged by Kafka, their state not
     # yet written to the table); the agent waits for the oldest one when this many are in flight.
     pending_commands_max: int = field(default_factory=lambda: _int("CHATPLANE_PROCESSOR_PENDING_MAX", 2_000))
+    # Reading commands faust skipped (see AdmissionProcessor._fill_gap): the whole read, and the
+    # records per fetch; the processor stops rather than go on past a hole it could not read.
+    gap_fill_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_PROCESSOR_GAP_FILL_TIMEOUT_S", 30.0))
+    gap_fill_batch_max: int = field(default_factory=lambda: _int("CHATPLANE_PROCESSOR_GAP_FILL_BATCH_MAX", 500))
+    # Fault injection for tests only: "partition:offset,..." deliveries the agent drops once, as
+    # faust-streaming itself was seen to (see AdmissionProcessor._fill_gap). Empty in production.
+    fault_skip_deliveries: frozenset[tuple[int, int]] = field(
+        default_factory=lambda: _pairs(os.environ.get("CHATPLANE_FAULT_SKIP_DELIVERIES", ""))
+    )
     data_dir: str = field(default_factory=lambda: os.environ.get("CHATPLANE_DATA_DIR", "var/processor"))
     policy: Policy = field(default_factory=policy_from_env)

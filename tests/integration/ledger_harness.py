@@ -64,6 +64,10 @@ class ProcessorProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
 
+    def log_text(self) -> str:
+        """Everything the processor's runs so far wrote to their logs."""
+        return "".join(f.read_text(errors="replace") for f in sorted(self.log_dir.glob("processor-*.log")))
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -88,7 +92,10 @@ async def wait_until_committed(bootstrap: str, topology: Any, timeout_s: float =
             if not behind:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"processor has not committed {behind} after {timeout_s} s")
+                got = {tp.partition: (committed[tp].offset if tp in committed else None) for tp in behind}
+                raise TimeoutError(
+                    f"processor has not committed {behind} after {timeout_s} s (committed: {got})"
+                )
             await asyncio.sleep(0.25)
     finally:
         await consumer.stop()
