@@ -137,12 +137,17 @@ def ttft_breakdown(worker: Worker, edge: TestEdge, gids: list[str], sent: dict[s
 
 
 async def ttft_steady(
-    bootstrap: str, topo: Topology, edge: TestEdge, in_flight: int, total: int, inter_token_ms: float
+    bootstrap: str, topo: Topology, edge: TestEdge, in_flight: int, total: int, inter_token_ms: float,
+    delta_interval_ms: float | None = 50.0,
 ) -> None:
     """``in_flight`` generations running at once at steady state: arrivals paced so that each of ~2 s
     lasts while ``in_flight`` others run (not a burst of simultaneous submits)."""
     cfg = SimConfig(ttft_ms=50, inter_token_ms=inter_token_ms, jitter_ms=2, output_tokens=200, max_concurrent=max(128, in_flight * 2))
-    settings = worker_settings(bootstrap, topo, slots=in_flight * 2, renew_interval_s=3.0)
+    # None: one delta per engine chunk (the baseline); else gather text for at least this many ms.
+    deltas_kw = (
+        {"delta_coalesce_chars_max": 0} if delta_interval_ms is None else {"delta_interval_ms": delta_interval_ms}
+    )
+    settings = worker_settings(bootstrap, topo, slots=in_flight * 2, renew_interval_s=3.0, **deltas_kw)
     async with Worker(settings, SimulatedEngine(cfg), served("sim")) as worker:
         await asyncio.sleep(3)
         duration_s = (cfg.ttft_ms + cfg.output_tokens * cfg.inter_token_ms) / 1000
@@ -167,8 +172,12 @@ async def ttft_steady(
         steady = [g for g in completed if running_at_start[g] >= in_flight * 0.8]
         print(f"\n== sim: steady state, ~{in_flight} generations in flight ({total} paced arrivals, one per "
               f"{interval_s * 1000:.0f} ms; {len(steady)} completed that arrived with >= {int(in_flight * 0.8)} running; "
-              f"{cfg.inter_token_ms:.0f} ms/token) ==")
+              f"{cfg.inter_token_ms:.0f} ms/token; delta coalescing "
+              f"{'off: one delta per chunk' if delta_interval_ms is None else f'interval {delta_interval_ms:.0f} ms'}) ==")
         print(f"{'outcomes':<44} {outcomes(edge, list(sent))}")
+        chunks = sum(worker.traces[k].output_tokens or 0 for k in worker.traces if k[0] in sent)
+        deltas = sum(len(edge.deltas[g]) for g in sent)
+        print(f"{'deltas sent / engine chunks':<44} {deltas} / {chunks} ({deltas / max(chunks, 1):.2f} per chunk)")
         ttft_breakdown(worker, edge, steady, sent)
 
 
@@ -236,6 +245,9 @@ async def main() -> None:
     ap.add_argument("--cpu-runs", type=int, default=5)
     ap.add_argument("--inter-token-ms", type=float, default=10.0,
                     help="the simulator's decode step in the burst and steady parts (10 ms = 100 tokens/s per stream)")
+    ap.add_argument("--deltas", default="off,50",
+                    help="steady part once per entry, in this order: off (one delta per engine chunk, the "
+                         "baseline) or a CHATPLANE_WORKER_DELTA_INTERVAL_MS value")
     ap.add_argument("--sim-only", action="store_true", help="skip the cpu parts")
     ap.add_argument("--parts", default="burst,steady,cancel,cpu",
                     help="comma-separated subset of burst,steady,cancel,cpu (default: all)")
@@ -253,7 +265,11 @@ async def main() -> None:
             if "burst" in parts:
                 await ttft_under_load(args.bootstrap, topo, edge, args.concurrency, args.inter_token_ms)
             if "steady" in parts:
-                await ttft_steady(args.bootstrap, topo, edge, args.concurrency, args.concurrency * 3, args.inter_token_ms)
+                for spec in args.deltas.split(","):
+                    interval = None if spec == "off" else float(spec)
+                    await ttft_steady(
+                        args.bootstrap, topo, edge, args.concurrency, args.concurrency * 3, args.inter_token_ms, interval
+                    )
             if "cancel" in parts:
                 await cancel_latency(args.bootstrap, topo, edge, "sim", args.cancels, {})
             if args.sim_only or "cpu" not in parts:

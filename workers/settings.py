@@ -53,6 +53,14 @@ class WorkerSettings:
     # The processor's lease (the same variable it reads, default Policy.lease_ms): an attempt whose
     # lease no renewal confirmed in time stops its engine ("lease_lost") instead of computing on.
     lease_ms: int = field(default_factory=lambda: _int("CHATPLANE_LEASE_MS", 10_000))
+    # Deltas to the edge: the first text of a generation goes at once; after it, engine text is
+    # gathered into the next delta until the previous one is acknowledged by Kafka and at least
+    # delta_interval_ms passed since it was sent (0: only the acknowledgement), up to
+    # delta_coalesce_chars_max characters (0: one delta per engine chunk, no gathering). At 100
+    # tokens/s per stream, 50 ms is 3 to 5 tokens per delta: a third to a fifth of the messages for the
+    # worker, Kafka and the edge, and a pause no reader sees.
+    delta_interval_ms: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_DELTA_INTERVAL_MS", 50.0))
+    delta_coalesce_chars_max: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_DELTA_COALESCE_CHARS_MAX", 4096))
     prompt_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_PROMPT_TIMEOUT_S", 2.0))
     decision_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_DECISION_TIMEOUT_S", 3.0))
     decision_attempts_max: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_DECISION_ATTEMPTS_MAX", 3))

@@ -577,6 +577,28 @@ class Worker:
         text_parts: list[str] = []
         sequence = 0
         send_futures: list[asyncio.Future[Any]] = []
+        # Engine text not sent yet: the previous delta is still in flight or was sent less than the
+        # delta interval ago (WorkerSettings.delta_interval_ms, delta_coalesce_chars_max).
+        unsent: list[str] = []
+        unsent_chars = 0
+        coalesce_max = self.settings.delta_coalesce_chars_max
+        interval_s = self.settings.delta_interval_ms / 1000
+        stall_max_s = self.settings.engine_stall_max_s
+        last_sent_at = 0.0
+        item_wait_from = 0.0
+
+        async def send_delta() -> None:
+            nonlocal sequence, unsent_chars, last_sent_at
+            sequence += 1
+            text = unsent[0] if len(unsent) == 1 else "".join(unsent)
+            unsent.clear()
+            unsent_chars = 0
+            delta = TextDelta(generation_id=d.generation_id, epoch=d.epoch, sequence=sequence, index=0, text=text)
+            send_futures.append(await self.producer.send(d.stream_to.topic, encode(delta), partition=d.stream_to.partition))
+            trace.deltas_sent = sequence
+            last_sent_at = time.monotonic()
+
+        next_item: asyncio.Future[Any] | None = None
         finished: Finished | None = None
         failure: str | None = None
         aborting = False
@@ -592,13 +614,28 @@ class Worker:
                     trace.tokens_at_stop = progress["tokens"]
                     await generation.abort()
                 now = time.monotonic()
+                if next_item is None:
+                    next_item = asyncio.ensure_future(iterator.__anext__())
+                    item_wait_from = now
                 if aborting:
                     wait_s = max(0.0, trace.stop_requested_at + ABORT_ACK_TIMEOUT_S - now)
                 else:
-                    wait_s = min(self.settings.engine_stall_max_s, max(0.0, deadline - now))
-                next_item = asyncio.ensure_future(iterator.__anext__())
+                    wait_s = max(0.0, min(item_wait_from + stall_max_s, deadline) - now)
                 waiters = {next_item} if aborting else {next_item, stop_wait}
+                if unsent and not aborting:
+                    # Gathered text goes out once the previous delta is acknowledged and the interval passed.
+                    if send_futures[-1].done():
+                        wait_s = min(wait_s, max(0.0, last_sent_at + interval_s - now))
+                    else:
+                        waiters.add(send_futures[-1])
                 done, _ = await asyncio.wait(waiters, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+                if unsent and not aborting and next_item not in done and stop_wait not in done:
+                    now = time.monotonic()
+                    if send_futures[-1].done() and now >= last_sent_at + interval_s:
+                        await send_delta()
+                        continue
+                    if now < min(item_wait_from + stall_max_s, deadline):
+                        continue  # woke for the gathered text, not because the engine stalled
                 if next_item not in done:
                     if not aborting and stop_wait in done:
                         # Stop while the engine is between steps: abort, then wait for this step's item.
@@ -630,6 +667,7 @@ class Worker:
                         break
                 try:
                     item = next_item.result()
+                    next_item = None
                 except StopAsyncIteration:
                     failure = "engine_ended_without_finish"
                     break
@@ -647,13 +685,15 @@ class Worker:
                     trace.engine_first_token_at = time.monotonic()
                 if aborting or not item.text:
                     continue  # after a stop nothing more reaches the client (still counted as usage)
-                sequence += 1
                 text_parts.append(item.text)
-                delta = TextDelta(generation_id=d.generation_id, epoch=d.epoch, sequence=sequence, index=0, text=item.text)
-                send_futures.append(
-                    await self.producer.send(d.stream_to.topic, encode(delta), partition=d.stream_to.partition)
-                )
-                trace.deltas_sent = sequence
+                unsent.append(item.text)
+                unsent_chars += len(item.text)
+                if (
+                    not send_futures  # the first text goes at once
+                    or unsent_chars >= coalesce_max
+                    or (send_futures[-1].done() and time.monotonic() >= last_sent_at + interval_s)
+                ):
+                    await send_delta()
                 if item.output_tokens >= request.max_output_tokens and not aborting:
                     stop.set("max_output_tokens", FinishOutcome.COMPLETED)
         finally:
@@ -672,6 +712,8 @@ class Worker:
                 # the report (which wait on Cassandra and the processor, not on the engine). After a
                 # failure (an abort never acknowledged, a stall) the slot is freed only at the end.
                 self._free_slot(trace)
+        if unsent:
+            await send_delta()  # text the engine produced before it ended or was stopped
         if send_futures:
             with contextlib.suppress(KafkaError):
                 await asyncio.gather(*send_futures)
