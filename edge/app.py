@@ -38,6 +38,7 @@ from edge.settings import EdgeSettings
 from edge.streams import GenerationView, StreamHub
 from edge.tokens import input_token_counter
 from projections.client import CommandClient
+from projections.gc_tuning import tune_gc
 from schemas.codes import RequestStatus
 from schemas.messages import ChatMessage
 from schemas.wire import WIRE_CONTENT_MESSAGE_BYTES_MAX
@@ -180,6 +181,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await edge.start()
+        tune_gc(edge.settings.gc_gen0_threshold)
         try:
             yield
         finally:

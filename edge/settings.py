@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from control_plane.policy import Policy
+from projections.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
 from projections.settings import policy_from_env
 from schemas.topics import Topology
 
@@ -55,6 +56,11 @@ class EdgeSettings:
     jwt_issuer: str = field(default_factory=lambda: _str("CHATPLANE_EDGE_JWT_ISSUER", "chatplane-local"))
     jwt_audience: str = field(default_factory=lambda: _str("CHATPLANE_EDGE_JWT_AUDIENCE", "chatplane-edge"))
     jwt_leeway_s: int = field(default_factory=lambda: _int("CHATPLANE_EDGE_JWT_LEEWAY_S", 30))
+
+    # Cyclic GC (projections.gc_tuning.tune_gc): young-generation size; 0 keeps Python's settings.
+    gc_gen0_threshold: int = field(
+        default_factory=lambda: _int("CHATPLANE_EDGE_GC_GEN0_THRESHOLD", GC_GEN0_THRESHOLD_DEFAULT)
+    )
 
     fingerprint_key: str = field(default_factory=lambda: _str("CHATPLANE_FINGERPRINT_KEY", DEV_FINGERPRINT_KEY))
 

@@ -39,6 +39,7 @@ from aiokafka.partitioner import murmur2
 from control_plane.aggregate import Aggregate, handle
 from control_plane.decide import next_deadline_ms
 from control_plane.routing import route
+from projections.gc_tuning import tune_gc
 from projections.kafka_admin import assert_copartitioned
 from projections.settings import ProcessorSettings
 from projections.table_store import EMPTY_LAYOUT, Layout, TableWrites, is_settled_key, join, plan, unpack_deadline
@@ -154,6 +155,7 @@ class AdmissionProcessor:
         if self.app.monitor in self.app.sensors:
             self.app.sensors.remove(self.app.monitor)
         quiet_client_loggers()
+        tune_gc(self.settings.gc_gen0_threshold)
         log.info("processor %s ready", self.settings.instance_id)
 
     async def _on_assigned(self, sender: Any, assigned: set[Any], **_: Any) -> None:

@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass, field
 
 from control_plane.policy import Policy
+from projections.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
 from schemas.codes import Tier
 from schemas.topics import Topology
 
@@ -67,6 +68,9 @@ class ProcessorSettings:
     # Commands decided but not yet durable (their outputs unacknowledged by Kafka, their state not
     # yet written to the table); the agent waits for the oldest one when this many are in flight.
     pending_commands_max: int = field(default_factory=lambda: _int("CHATPLANE_PROCESSOR_PENDING_MAX", 2_000))
+    # Cyclic GC: allocations before a young-generation collection (Python's default 700); 0 keeps
+    # Python's settings and skips freezing the start-up objects (see processor.tune_gc).
+    gc_gen0_threshold: int = field(default_factory=lambda: _int("CHATPLANE_PROCESSOR_GC_GEN0_THRESHOLD", GC_GEN0_THRESHOLD_DEFAULT))
     # Reading commands faust skipped (see AdmissionProcessor._fill_gap): the whole read, and the
     # records per fetch; the processor stops rather than go on past a hole it could not read.
     gap_fill_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_PROCESSOR_GAP_FILL_TIMEOUT_S", 30.0))
