@@ -46,6 +46,7 @@ up: venv cpu-runtime jars
 	@infra/component-start readmodel projections.readmodel
 	@infra/component-start workers workers --engine cpu
 	@infra/component-start edge edge
+	@if [ -f edge/__main__.py ]; then CHATPLANE_EDGE_PORT=$(EDGE_PORT) infra/edge-wait; fi
 	@# ---- end of components ------------------------------------------------------------------
 	@echo
 	@echo "chatplane is up:"
