@@ -45,7 +45,7 @@ from control_plane.policy import HOUR_MS, Policy  # noqa: E402
 from schemas import commands as cmd  # noqa: E402
 from schemas.codes import CancelReason, FinishOutcome, Tier  # noqa: E402
 from schemas.wire import encode  # noqa: E402
-from projections.table_store import EMPTY_LAYOUT, join, plan  # noqa: E402
+from projections.ledger.table_store import EMPTY_LAYOUT, join, plan  # noqa: E402
 
 T0_MS = 1_762_441_200_000
 REQUESTS_PER_WINDOW = 40
@@ -176,7 +176,7 @@ def processor_whole(aggregates: dict[str, Aggregate], commands: list[Any], polic
 def processor_split(
     aggregates: dict[str, Aggregate], layouts: dict[str, Any], commands: list[Any], policy: Policy
 ) -> tuple[float, int, int]:
-    """The same with projections/table_store.py's layout (what projections/processor.py does now):
+    """The same with projections/ledger/table_store.py's layout (what projections/ledger/processor.py does now):
     handle, the next deadline, ``plan``. Returns (seconds, bytes written, hot-value bytes written)."""
     gc.collect()
     written = hot = 0
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline_s = per_call_s(lambda: [next_deadline_ms(a.ledger, policy) for a in some], 3) / len(some)
     no_reconcile = [c for c in timed if not isinstance(c, cmd.ReconcileDue)]
     no_reconcile_s = min(run(dict(snapshot), no_reconcile, policy) for _ in range(3))
-    # What projections/processor.py does per command besides handle: the timer's next deadline and
+    # What projections/ledger/processor.py does per command besides handle: the timer's next deadline and
     # the whole table value encoded for the changelog write.
     processor_per_s = 1 / (handle_s / len(timed) + deadline_s + dump_s)
 

@@ -37,8 +37,8 @@ from edge.routes import generations
 from edge.settings import EdgeSettings
 from edge.streams import GenerationView, StreamHub
 from edge.tokens import input_token_counter
-from projections.client import CommandClient
-from projections.gc_tuning import tune_gc
+from projections.shared.command_client import CommandClient
+from projections.shared.gc_tuning import tune_gc
 from schemas.codes import RequestStatus
 from schemas.messages import ChatMessage
 from schemas.wire import WIRE_CONTENT_MESSAGE_BYTES_MAX

@@ -1,4 +1,4 @@
-"""Adapter from the edge to the Cassandra read model (``projections.queries.GenerationReader``).
+"""Adapter from the edge to the Cassandra read model (``projections.readmodel.queries.GenerationReader``).
 
 Data flow: ``GET /v1/generations/{id}`` and a same-key retry of a completed request ->
 ``Edge.lookup``/``Edge.result`` -> this edge's memory of generations it admitted (fresh, exact) ->
@@ -40,7 +40,7 @@ class ReadModel:
             if self._reader is None and time.monotonic() - self._opened_at_s >= READ_MODEL_REOPEN_INTERVAL_S:
                 self._opened_at_s = time.monotonic()
                 try:
-                    from projections.queries import GenerationReader
+                    from projections.readmodel.queries import GenerationReader
 
                     async with asyncio.timeout(READ_MODEL_OPEN_TIMEOUT_S):
                         self._reader = await GenerationReader.open()
@@ -51,7 +51,7 @@ class ReadModel:
         return self._reader
 
     async def lookup(self, generation_id: str, owner: str) -> GenerationView | None:
-        from projections.queries import ReadModelUnavailable
+        from projections.readmodel.queries import ReadModelUnavailable
 
         reader = await self._get_reader()
         try:
@@ -62,7 +62,7 @@ class ReadModel:
 
     async def lookup_with_result(self, generation_id: str, owner: str) -> tuple[GenerationView | None, str | None]:
         """The generation and, when completed and retained, its text: one read-model call (GET)."""
-        from projections.queries import ReadModelUnavailable, ResultState
+        from projections.readmodel.queries import ReadModelUnavailable, ResultState
 
         reader = await self._get_reader()
         try:
@@ -75,7 +75,7 @@ class ReadModel:
 
     async def result(self, generation_id: str, owner: str) -> str | None:
         """The retained text of a completed generation, or None when it has expired (410)."""
-        from projections.queries import ReadModelUnavailable, ResultState
+        from projections.readmodel.queries import ReadModelUnavailable, ResultState
 
         reader = await self._get_reader()
         try:

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass, field
 
 from control_plane.policy import Policy
-from projections.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
-from projections.settings import policy_from_env
+from projections.shared.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
+from projections.shared.settings import policy_from_env
 from schemas.topics import Topology
 
 
@@ -57,7 +57,7 @@ class EdgeSettings:
     jwt_audience: str = field(default_factory=lambda: _str("CHATPLANE_EDGE_JWT_AUDIENCE", "chatplane-edge"))
     jwt_leeway_s: int = field(default_factory=lambda: _int("CHATPLANE_EDGE_JWT_LEEWAY_S", 30))
 
-    # Cyclic GC (projections.gc_tuning.tune_gc): young-generation size; 0 keeps Python's settings.
+    # Cyclic GC (projections.shared.gc_tuning.tune_gc): young-generation size; 0 keeps Python's settings.
     gc_gen0_threshold: int = field(
         default_factory=lambda: _int("CHATPLANE_EDGE_GC_GEN0_THRESHOLD", GC_GEN0_THRESHOLD_DEFAULT)
     )
@@ -105,7 +105,7 @@ class EdgeSettings:
     # For tests and benchmarks without workers: skip the capacity view (estimate 0).
     capacity_check: bool = field(default_factory=lambda: _str("CHATPLANE_EDGE_CAPACITY_CHECK", "1") == "1")
 
-    # GET and completed same-key retries read the Cassandra read model (projections.queries) for
+    # GET and completed same-key retries read the Cassandra read model (projections.readmodel.queries) for
     # generations this process no longer remembers; off: memory only (tests without the projection).
     read_model: bool = field(default_factory=lambda: _str("CHATPLANE_EDGE_READ_MODEL", "1") == "1")
     # Recently seen generations kept for GET when the Cassandra read model is not available.

@@ -109,7 +109,7 @@ class StreamHub:
         self.recent: OrderedDict[str, GenerationView] = OrderedDict()
         self.results: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (text, expires monotonic s)
         self.results_bytes = 0
-        self.client: Any = None  # projections.client.CommandClient, set by the app at start-up
+        self.client: Any = None  # projections.shared.command_client.CommandClient, set by the app at start-up
         self.producer: AIOKafkaProducer | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.background_dropped = 0

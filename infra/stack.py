@@ -692,7 +692,7 @@ def create_topics(cfg: Config) -> None:
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-    from projections.kafka_admin import wait_topics_ready
+    from projections.shared.kafka_admin import wait_topics_ready
 
     # CHATPLANE_NAMESPACE (as the processes read it) prefixes every topic: isolated deployments
     # (such as a test) share one cluster.

@@ -1,5 +1,5 @@
 """``python -m projections``: run one admission processor instance (several split the partitions)."""
 
-from projections.processor import main
+from projections.ledger.processor import main
 
 main()

@@ -179,7 +179,7 @@ async def kafka_admin(kafka_bootstrap):
 async def fresh_topic(kafka_admin, unique_name):
     from aiokafka.admin import NewTopic
 
-    from projections.kafka_admin import wait_topics_ready
+    from projections.shared.kafka_admin import wait_topics_ready
 
     created: list[str] = []
 
@@ -203,7 +203,7 @@ async def fresh_topic(kafka_admin, unique_name):
 
 @pytest.fixture
 async def fresh_keyspace(cassandra_session, unique_name):
-    from projections.cassandra_io import execute
+    from projections.shared.cassandra import execute
 
     name = unique_name("ks").replace("-", "_")
     await execute(

@@ -75,8 +75,8 @@ async def end_to_end(engine: SGLangEngine, bootstrap: str) -> None:
     import dataclasses
     import tempfile
 
-    from projections.client import CommandClient
-    from projections.kafka_admin import delete_topics, ensure_topics
+    from projections.shared.command_client import CommandClient
+    from projections.shared.kafka_admin import delete_topics, ensure_topics
     from schemas.codes import RequestStatus
     from schemas.topics import Topology
     from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding

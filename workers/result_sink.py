@@ -4,7 +4,7 @@ before the worker reports completion, so a same-key retry of a completed request
 Data flow::
 
     Worker._run (after the engine's Finished, BEFORE ReportAttemptFinished)
-        --CassandraResultSink.put--> projections.results.CassandraResultStore --> results_by_generation
+        --CassandraResultSink.put--> projections.readmodel.results.CassandraResultStore --> results_by_generation
 
 ``python -m workers`` injects this sink by default (``CHATPLANE_WORKER_RESULT_STORE=cassandra``;
 ``none`` turns it off, and ``workers.Worker`` built in-process keeps ``NullResultSink`` unless told).
@@ -36,8 +36,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from projections.readmodel_schema import ReadModelSettings
-from projections.results import CassandraResultStore, ResultTooLarge
+from projections.readmodel.schema import ReadModelSettings
+from projections.readmodel.results import CassandraResultStore, ResultTooLarge
 
 log = logging.getLogger("chatplane.workers.results")
 

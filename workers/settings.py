@@ -7,7 +7,7 @@ Every bound has its unit in the name. ``CHATPLANE_*`` variables:
     WORKER_ENGINE_STALL_MAX_S, WORKER_SESSION_TIMEOUT_MS, SGLANG_MODEL_PATH, SGLANG_ENGINE_ARGS,
     WORKER_RESULT_STORE (cassandra|none), WORKER_RESULT_PUT_ATTEMPTS_MAX, WORKER_RESULT_PUT_BACKOFF_S,
     WORKER_RESULT_PUT_DEADLINE_S; the result store's Cassandra (CASSANDRA_HOSTS, CASSANDRA_PORT,
-    CASSANDRA_KEYSPACE, RESULT_TTL_S) is read by ``projections.readmodel_schema.ReadModelSettings``.
+    CASSANDRA_KEYSPACE, RESULT_TTL_S) is read by ``projections.readmodel.schema.ReadModelSettings``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from edge.deps import CurrentPrincipal, IdempotencyKey
 from edge.errors import DRAINING_RETRY_AFTER_S, ApiError
 from edge.fingerprint import fingerprint
 from edge.streams import GenerationStream, GenerationView
-from projections.client import DecisionTimeout, TooManyPending
+from projections.shared.command_client import DecisionTimeout, TooManyPending
 from schemas.codes import REJECTIONS, RejectionCode, RequestStatus
 from schemas.commands import CancelGeneration, SubmitGeneration
 from schemas.messages import ChatMessage, Outcome, OutcomeKind, RejectionDetails

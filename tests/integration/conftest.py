@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from projections.client import CommandClient
-from projections.kafka_admin import delete_topics, ensure_topics
+from projections.shared.command_client import CommandClient
+from projections.shared.kafka_admin import delete_topics, ensure_topics
 from schemas.topics import Topology
 from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from projections.audit import Auditor, read_topic
-from projections.client import CommandClient
+from projections.ledger.audit import Auditor
+from projections.shared.topic_reader import read_topic
+from projections.shared.command_client import CommandClient
 from schemas import events as ev
 from schemas.codes import FinishOutcome, Tier
 from schemas.commands import AcceptAttempt, ReportAttemptFinished, SubmitGeneration
@@ -213,7 +214,7 @@ async def expected_from_ledger(bootstrap: str, topology: Topology) -> dict[str, 
 
 
 async def read_rows(session: Any, keyspace: str) -> dict[str, Any]:
-    from projections.cassandra_io import execute
+    from projections.shared.cassandra import execute
 
     rows = await execute(
         session,

@@ -31,7 +31,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from edge.app import create_app
 from edge.auth import mint
 from edge.settings import EdgeSettings
-from projections.client import CommandClient
+from projections.shared.command_client import CommandClient
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, OutcomeKind, PromptPayload, PromptRequest, TextDelta

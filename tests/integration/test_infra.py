@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from projections.cassandra_io import execute
+from projections.shared.cassandra import execute
 from schemas import topics as T
 
 pytestmark = pytest.mark.integration

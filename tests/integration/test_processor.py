@@ -10,8 +10,9 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from projections.audit import audit, read_topic
-from projections.client import CommandClient, DecisionTimeout
+from projections.ledger.audit import audit
+from projections.shared.topic_reader import read_topic
+from projections.shared.command_client import CommandClient, DecisionTimeout
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, Outcome, OutcomeKind
@@ -316,7 +317,7 @@ async def test_the_audit_reports_a_doubled_consume_and_an_over_limit_admission(k
     import subprocess, sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "projections.audit", "--bootstrap", kafka_bootstrap, "--namespace", topology.namespace, "--no-table"],
+        [sys.executable, "-m", "projections.ledger.audit", "--bootstrap", kafka_bootstrap, "--namespace", topology.namespace, "--no-table"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 1 and "forged/0" in proc.stdout and "AUDIT FAILED" in proc.stdout, proc.stdout

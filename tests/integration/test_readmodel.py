@@ -18,12 +18,12 @@ import uuid
 
 import pytest
 
-from projections.audit import read_topic
-from projections.cassandra_io import execute
-from projections.queries import GenerationReader, ResultState, ResultUnavailable
-from projections.readmodel import GenerationWriter, RowUpdate
-from projections.readmodel_schema import ReadModelSettings, ensure_schema
-from projections.results import CassandraResultStore
+from projections.shared.topic_reader import read_topic
+from projections.shared.cassandra import execute
+from projections.readmodel.queries import GenerationReader, ResultState, ResultUnavailable
+from projections.readmodel.writer import GenerationWriter, RowUpdate
+from projections.readmodel.schema import ReadModelSettings, ensure_schema
+from projections.readmodel.results import CassandraResultStore
 from schemas import events as ev
 from schemas.codes import RequestStatus
 from schemas.messages import OutcomeKind
@@ -218,7 +218,7 @@ async def test_usage_report_totals_equal_ledger_sums(running_processor, client, 
 
     chart = tmp_path / "usage.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "projections.usage_report", "--json", "--bootstrap", client.bootstrap,
+        [sys.executable, "-m", "projections.readmodel.usage_report", "--json", "--bootstrap", client.bootstrap,
          "--namespace", client.topology.namespace, "--from", str(t_from), "--to", str(t_to), "--chart", str(chart)],
         cwd=ROOT, capture_output=True, text=True, timeout=REPORT_TIMEOUT_S,
     )

@@ -23,8 +23,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from projections.audit import read_topic
-from projections.client import CommandClient
+from projections.shared.topic_reader import read_topic
+from projections.shared.command_client import CommandClient
 from schemas import commands as cmd
 from schemas.codes import Tier
 from schemas.messages import ChatMessage, GenerationFinalized, PromptPayload, PromptRequest, TextDelta

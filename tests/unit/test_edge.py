@@ -225,7 +225,7 @@ def test_every_code_renders_its_table_row_and_retry_after_where_it_applies():
 
 
 async def test_decision_timeout_fails_closed_as_quota_service_unavailable():
-    from projections.client import DecisionTimeout
+    from projections.shared.command_client import DecisionTimeout
 
     settings, _, fake, http = make(answer=lambda c: DecisionTimeout("late"))
     async with http:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from projections.readmodel import fold_entry, merge_batch, update_cql
-from projections.readmodel_schema import GENERATION_COLUMNS, ReadModelSettings
-from projections.usage_report import UsageTotals, aggregate_usage, parse_time_ms
+from projections.readmodel.writer import fold_entry, merge_batch, update_cql
+from projections.readmodel.schema import GENERATION_COLUMNS, ReadModelSettings
+from projections.readmodel.usage_report import UsageTotals, aggregate_usage, parse_time_ms
 from schemas import events as ev
 from schemas.codes import FinishOutcome, RequestStatus
 from schemas.wire import decode_ledger_entry, encode

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from projections.readmodel_schema import GENERATION_METADATA_TTL_S_DEFAULT, RESULT_TTL_S_DEFAULT, results_ddl
+from projections.readmodel.schema import GENERATION_METADATA_TTL_S_DEFAULT, RESULT_TTL_S_DEFAULT, results_ddl
 from schemas.topics import Topology
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "retention.md"

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from projections.audit import Auditor
+from projections.ledger.audit import Auditor
 from schemas.codes import RequestStatus
 from schemas.events import GenerationAdmitted
 from schemas.wire import WireError, decode_ledger_entry

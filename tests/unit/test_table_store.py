@@ -1,4 +1,4 @@
-"""The processor's split table layout (projections/table_store.py) against the core's own states.
+"""The processor's split table layout (projections/ledger/table_store.py) against the core's own states.
 
 The seeded simulator drives the real ``handle``; every aggregate it produces is planned into a
 table the way the processor writes it, read back with ``join`` and compared with the aggregate
@@ -15,7 +15,7 @@ from control_plane.aggregate import Aggregate
 from control_plane.codec import dump_aggregate
 from control_plane.decide import next_deadline_ms
 from control_plane.simulator import SimConfig, Simulation
-from projections.table_store import (
+from projections.ledger.table_store import (
     EMPTY_LAYOUT,
     TableWrites,
     is_settled_key,

@@ -1,6 +1,6 @@
 """The analysts' usage report: totals per user, model and hour from the USAGE topic, and a PNG chart.
 
-    python -m projections.usage_report --from 2026-11-06T15:00:00Z --to 2026-11-06T18:00:00Z \\
+    python -m projections.readmodel.usage_report --from 2026-11-06T15:00:00Z --to 2026-11-06T18:00:00Z \\
         [--namespace NS] [--bootstrap HOST:PORT] [--chart usage.png | --no-chart] [--json]
 
 Data flow::
@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 
 import orjson
 
-from projections.audit import read_topic
+from projections.shared.topic_reader import read_topic
 from schemas import events as ev
 from schemas.topics import HOUR_MS, Topology
 from schemas.wire import WireError, decode_event
@@ -213,7 +213,7 @@ def write_chart(report: UsageReport, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m projections.usage_report", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m projections.readmodel.usage_report", description=__doc__.split("\n")[0])
     parser.add_argument("--from", dest="from_", required=True, help="ISO 8601 time or epoch ms (inclusive)")
     parser.add_argument("--to", required=True, help="ISO 8601 time or epoch ms (exclusive)")
     parser.add_argument("--bootstrap", default=os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))

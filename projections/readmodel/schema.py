@@ -3,8 +3,8 @@
 Data flow (DESIGN section 5)::
 
     LEDGER --projections.readmodel--> generations_by_id      (status and usage by id, revision = offset)
-    worker --projections.results----> results_by_generation  (final text, USING TTL)
-    edge GET /v1/generations/{id} <--projections.queries-- both tables
+    worker --projections.readmodel.results----> results_by_generation  (final text, USING TTL)
+    edge GET /v1/generations/{id} <--projections.readmodel.queries-- both tables
 
 The CQL is created idempotently (``IF NOT EXISTS``) by ``ensure_schema``; the writers call it at
 start, so a fresh keyspace needs no separate migration step. Table names come from
@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from projections.cassandra_io import execute, named_tuple_rows
+from projections.shared.cassandra import execute, named_tuple_rows
 from schemas.topics import GENERATIONS_TABLE, KEYSPACE, RESULTS_TABLE
 
 CQL_PROTOCOL_VERSION = 5  # Cassandra 4.0+; skips the driver's downgrade round trips

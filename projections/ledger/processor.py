@@ -39,10 +39,10 @@ from aiokafka.partitioner import murmur2
 from control_plane.aggregate import Aggregate, handle
 from control_plane.decide import next_deadline_ms
 from control_plane.routing import route
-from projections.gc_tuning import tune_gc
-from projections.kafka_admin import assert_copartitioned
-from projections.settings import ProcessorSettings
-from projections.table_store import EMPTY_LAYOUT, Layout, TableWrites, is_settled_key, join, plan, unpack_deadline
+from projections.shared.gc_tuning import tune_gc
+from projections.shared.kafka_admin import assert_copartitioned
+from projections.ledger.settings import ProcessorSettings
+from projections.ledger.table_store import EMPTY_LAYOUT, Layout, TableWrites, is_settled_key, join, plan, unpack_deadline
 from schemas.commands import ReconcileDue
 from schemas.topics import USER_TO_LEDGER_TABLE
 from schemas.wire import WireError, decode_command, encode

@@ -48,8 +48,8 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
-from projections.cassandra_io import execute
-from projections.readmodel_schema import (
+from projections.shared.cassandra import execute
+from projections.readmodel.schema import (
     GENERATION_COLUMNS,
     ReadModelSettings,
     close_cluster,

@@ -3,7 +3,7 @@
 Data flow::
 
     LEDGER --projections.readmodel--> generations_by_id --+
-    worker --projections.results----> results_by_generation --+--> GenerationReader --> edge
+    worker --projections.readmodel.results----> results_by_generation --+--> GenerationReader --> edge
 
 The whole API (for the edge engineer)::
 
@@ -36,15 +36,15 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from projections.cassandra_io import execute
-from projections.readmodel_schema import (
+from projections.shared.cassandra import execute
+from projections.readmodel.schema import (
     GENERATION_COLUMNS,
     ReadModelSettings,
     close_cluster,
     open_session,
     prepare,
 )
-from projections.results import CassandraResultStore, StoredResult
+from projections.readmodel.results import CassandraResultStore, StoredResult
 from schemas.codes import RejectionCode, RequestStatus
 from schemas.messages import Outcome, OutcomeKind
 from schemas.topics import GENERATIONS_TABLE

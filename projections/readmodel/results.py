@@ -3,7 +3,7 @@
 Data flow::
 
     worker (after its last delta, BEFORE ReportAttemptFinished) --put--> results_by_generation USING TTL
-    edge GET / same-key retry of a completed request --projections.queries--> get
+    edge GET / same-key retry of a completed request --projections.readmodel.queries--> get
 
 The worker writes first and reports completion only after ``put`` returned, so every
 ``GenerationCompleted`` in the ledger has its text stored (until the TTL). Cassandra never returns
@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from projections.cassandra_io import execute
-from projections.readmodel_schema import ReadModelSettings, close_cluster, ensure_schema, open_session, prepare
+from projections.shared.cassandra import execute
+from projections.readmodel.schema import ReadModelSettings, close_cluster, ensure_schema, open_session, prepare
 from schemas.topics import RESULTS_TABLE
 
 RESULT_WRITE_TIMEOUT_S = 5.0  # one put, client side; the worker reports failure if it runs out

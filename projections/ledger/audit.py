@@ -1,6 +1,6 @@
 """The audit tool: replay the ledger through ``evolve``, check every invariant, compare with the table.
 
-    python -m projections.audit [--bootstrap HOST:PORT] [--namespace NS] [--from-offset N | --from-time ISO]
+    python -m projections.ledger.audit [--bootstrap HOST:PORT] [--namespace NS] [--from-offset N | --from-time ISO]
                                 [--no-table] [--json]
 
 Reads every partition of LEDGER from the beginning (or an offset or time) to its end offset at
@@ -22,17 +22,15 @@ from datetime import datetime
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from control_plane.invariants import InvariantMonitor, Violation, check_state
 from control_plane.policy import Policy
 from control_plane.state import UserLedger
 from schemas import events as ev
-from schemas.topics import TopicSpec, Topology
+from projections.shared.topic_reader import read_topic
+from schemas.topics import Topology
 from schemas.wire import WireError, decode_ledger_entry
 
-FETCH_TIMEOUT_MS = 1_000
-READ_IDLE_ROUNDS_MAX = 30  # consecutive empty fetches before giving up on reaching the end offsets
 
 
 @dataclass
@@ -121,47 +119,9 @@ class Auditor:
         return self.report
 
 
-async def read_topic(
-    bootstrap: str, spec: TopicSpec, start: dict[int, int] | None = None, from_time_ms: int | None = None
-) -> list[tuple[int, int, bytes | None, bytes | None]]:
-    """Every record of ``spec`` from ``start`` (or the beginning, or a time) to its end at call time."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
-    await consumer.start()
-    try:
-        tps = [TopicPartition(spec.name, p) for p in range(spec.partitions)]
-        consumer.assign(tps)
-        ends = await consumer.end_offsets(tps)
-        if from_time_ms is not None:
-            found = await consumer.offsets_for_times({tp: from_time_ms for tp in tps})
-            for tp in tps:
-                offset = found.get(tp)
-                consumer.seek(tp, offset.offset if offset is not None else ends[tp])
-        else:
-            for tp in tps:
-                consumer.seek(tp, (start or {}).get(tp.partition, 0))
-        records: list[tuple[int, int, bytes | None, bytes | None]] = []
-        remaining = {tp for tp in tps if await consumer.position(tp) < ends[tp]}
-        idle = 0
-        while remaining and idle < READ_IDLE_ROUNDS_MAX:
-            batch = await consumer.getmany(*remaining, timeout_ms=FETCH_TIMEOUT_MS)
-            idle = 0 if batch else idle + 1
-            for tp, items in batch.items():
-                for r in items:
-                    if r.offset < ends[tp]:
-                        records.append((tp.partition, r.offset, r.key, r.value))
-            for tp in list(remaining):
-                if await consumer.position(tp) >= ends[tp]:
-                    remaining.discard(tp)
-        if remaining:
-            raise TimeoutError(f"could not read {spec.name} to its end offsets")
-        return records
-    finally:
-        await consumer.stop()
-
-
 async def read_table(bootstrap: str, topology: Topology) -> dict[str, UserLedger]:
     """The processor's table: the latest changelog value per user."""
-    from projections.table_store import join_table
+    from projections.ledger.table_store import join_table
 
     latest: dict[bytes, bytes | None] = {}
     for _, _, key, value in sorted(await read_topic(bootstrap, topology.changelog), key=lambda r: (r[0], r[1])):
@@ -188,7 +148,7 @@ async def audit(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m projections.audit", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m projections.ledger.audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bootstrap", default=os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
     parser.add_argument("--namespace", default=os.environ.get("CHATPLANE_NAMESPACE", ""))
     parser.add_argument("--from-offset", type=int, help="start every partition at this offset")

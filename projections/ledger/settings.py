@@ -7,8 +7,8 @@ import socket
 from dataclasses import dataclass, field
 
 from control_plane.policy import Policy
-from projections.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
-from schemas.codes import Tier
+from projections.shared.settings import policy_from_env
+from projections.shared.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
 from schemas.topics import Topology
 
 
@@ -25,26 +25,6 @@ def _float(name: str, default: float) -> float:
 def _pairs(raw: str) -> frozenset[tuple[int, int]]:
     pairs = (item.split(":") for item in raw.split(",") if item.strip())
     return frozenset((int(a), int(b)) for a, b in pairs)
-
-
-def policy_from_env() -> Policy:
-    """The admission policy; every limit can be set by a ``CHATPLANE_*`` variable."""
-    base = Policy()
-    return Policy(
-        quota_limit_by_tier={
-            Tier.FREE: _int("CHATPLANE_QUOTA_FREE_PER_WINDOW", base.quota_limit_by_tier[Tier.FREE]),
-            Tier.PAID: _int("CHATPLANE_QUOTA_PAID_PER_WINDOW", base.quota_limit_by_tier[Tier.PAID]),
-        },
-        concurrency_limit=_int("CHATPLANE_CONCURRENCY_LIMIT", base.concurrency_limit),
-        queue_wait_max_ms=_int("CHATPLANE_QUEUE_WAIT_MAX_MS", base.queue_wait_max_ms),
-        queue_budget_ms=_int("CHATPLANE_QUEUE_BUDGET_MS", base.queue_budget_ms),
-        reconcile_grace_ms=_int("CHATPLANE_RECONCILE_GRACE_MS", base.reconcile_grace_ms),
-        lease_ms=_int("CHATPLANE_LEASE_MS", base.lease_ms),
-        generation_duration_max_ms=_int("CHATPLANE_GENERATION_DURATION_MAX_MS", base.generation_duration_max_ms),
-        dedup_retention_ms=_int("CHATPLANE_DEDUP_RETENTION_MS", base.dedup_retention_ms),
-        result_ttl_ms=_int("CHATPLANE_RESULT_TTL_MS", base.result_ttl_ms),
-        max_output_tokens_max=_int("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", base.max_output_tokens_max),
-    )
 
 
 @dataclass(frozen=True)
