@@ -18,6 +18,8 @@ import uvicorn
 
 from edge.app import create_app
 from edge.settings import EdgeSettings
+from projections.readmodel.schema import ReadModelSettings
+from projections.shared.settings import SettingsError, exit_on_settings_error
 
 log = logging.getLogger("chatplane.edge")
 
@@ -52,8 +54,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def main() -> None:
+    try:
+        settings = EdgeSettings()
+        if settings.read_model:
+            # The read model opens lazily; its settings (CHATPLANE_CASSANDRA_*, ...) are checked now.
+            ReadModelSettings()
+    except SettingsError as exc:
+        exit_on_settings_error(exc)
     logging.basicConfig(level=os.environ.get("CHATPLANE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    settings = EdgeSettings()
     app = create_app(settings)
     config = uvicorn.Config(
         app,

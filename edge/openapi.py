@@ -4,7 +4,9 @@
 differs from what the app serves. FastAPI's generated document is adjusted in one place here: the
 request body is a named component (the route reads the body itself, to count bytes while reading),
 bearer authentication is a security scheme, ``Idempotency-Key`` is a required header, and FastAPI's
-default 422 answers are removed (the edge answers every validation failure as a typed 400).
+default 422 answers are removed (the edge answers every validation failure as a typed 400). The
+request body's bounds are the app's settings (``request_model_for``): the committed file shows the
+defaults.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ _REF = "#/components/schemas/{model}"
 
 
 def build(app: FastAPI) -> dict[str, Any]:
-    from edge.routes.generations import GenerationDocument, GenerationRequest
+    from edge.routes.generations import GenerationDocument, request_model_for
 
     spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-    for model in (GenerationRequest, GenerationDocument):
+    for model in (request_model_for(app.state.edge.settings), GenerationDocument):
         doc = model.model_json_schema(ref_template=_REF)
         schemas.update(doc.pop("$defs", {}))
         schemas[model.__name__] = doc

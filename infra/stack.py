@@ -37,7 +37,13 @@ from pathlib import Path
 
 INFRA = Path(__file__).resolve().parent
 ROOT = INFRA.parent
-LIB = Path(os.environ.get("CHATPLANE_LIB_DIR") or INFRA / "lib")
+# The one settings loader of every process; it needs only the standard library, ``schemas`` and
+# ``control_plane``, so it imports from the source tree before the package is installed.
+sys.path.insert(0, str(ROOT))
+from projections.shared.settings import SettingsError, comma_list, env_value  # noqa: E402
+
+LIB = Path(env_value("CHATPLANE_LIB_DIR", str(INFRA / "lib")))
+PORT_MAX = 65_535
 MARKER = ".complete"
 
 # Named waits and timeouts (seconds). The ready timeouts can be overridden by environment.
@@ -49,11 +55,6 @@ PROBE_REQUEST_TIMEOUT_S = 5.0
 ALREADY_RUNNING_PROBE_TIMEOUT_S = 3.0
 STORAGE_FORMAT_TIMEOUT_S = 120.0
 LOG_TAIL_LINES = 40
-
-
-def _env(name: str, default: str) -> str:
-    value = os.environ.get(name, "")
-    return value if value else default
 
 
 @dataclass(frozen=True)
@@ -76,28 +77,28 @@ class Config:
 
     @staticmethod
     def from_env() -> "Config":
-        kport = int(_env("CHATPLANE_KAFKA_PORT", "9092"))
-        cport = int(_env("CHATPLANE_CASSANDRA_PORT", "9042"))
-        java_home = os.environ.get("CHATPLANE_JAVA_HOME") or os.environ.get("JAVA_HOME") or ""
-        java = _env("CHATPLANE_JAVA", str(Path(java_home) / "bin" / "java") if java_home else "java")
+        kport = env_value("CHATPLANE_KAFKA_PORT", 9092, ge=1, le=PORT_MAX)
+        cport = env_value("CHATPLANE_CASSANDRA_PORT", 9042, ge=1, le=PORT_MAX)
+        java_home = env_value("CHATPLANE_JAVA_HOME", "") or os.environ.get("JAVA_HOME") or ""
+        java = env_value("CHATPLANE_JAVA", str(Path(java_home) / "bin" / "java") if java_home else "java")
         return Config(
             kafka_port=kport,
-            kafka_controller_port=int(_env("CHATPLANE_KAFKA_CONTROLLER_PORT", "9093")),
-            kafka_bootstrap=_env("CHATPLANE_KAFKA_BOOTSTRAP", f"127.0.0.1:{kport}"),
-            kafka_heap=_env("CHATPLANE_KAFKA_HEAP", "512m"),
-            kafka_replication=int(_env("CHATPLANE_KAFKA_REPLICATION", "1")),
+            kafka_controller_port=env_value("CHATPLANE_KAFKA_CONTROLLER_PORT", 9093, ge=1, le=PORT_MAX),
+            kafka_bootstrap=env_value("CHATPLANE_KAFKA_BOOTSTRAP", f"127.0.0.1:{kport}"),
+            kafka_heap=env_value("CHATPLANE_KAFKA_HEAP", "512m"),
+            kafka_replication=env_value("CHATPLANE_KAFKA_REPLICATION", 1, ge=1),
             cassandra_port=cport,
-            cassandra_storage_port=int(_env("CHATPLANE_CASSANDRA_STORAGE_PORT", "7000")),
-            cassandra_hosts=tuple(h.strip() for h in _env("CHATPLANE_CASSANDRA_HOSTS", "127.0.0.1").split(",") if h.strip()),
-            cassandra_heap=_env("CHATPLANE_CASSANDRA_HEAP", "1G"),
-            cassandra_rf=int(_env("CHATPLANE_CASSANDRA_RF", "1")),
-            var_dir=Path(_env("CHATPLANE_VAR_DIR", str(ROOT / "var"))).resolve(),
-            run_dir=Path(_env("CHATPLANE_RUN_DIR", str(ROOT / ".run"))).resolve(),
-            java=java,
-            kafka_ready_timeout_s=float(_env("CHATPLANE_KAFKA_READY_TIMEOUT_S", str(KAFKA_READY_TIMEOUT_S))),
-            cassandra_ready_timeout_s=float(
-                _env("CHATPLANE_CASSANDRA_READY_TIMEOUT_S", str(CASSANDRA_READY_TIMEOUT_S))
+            cassandra_storage_port=env_value("CHATPLANE_CASSANDRA_STORAGE_PORT", 7000, ge=1, le=PORT_MAX),
+            cassandra_hosts=env_value(
+                "CHATPLANE_CASSANDRA_HOSTS", ("127.0.0.1",), parse=comma_list, expected="comma-separated host names"
             ),
+            cassandra_heap=env_value("CHATPLANE_CASSANDRA_HEAP", "1G"),
+            cassandra_rf=env_value("CHATPLANE_CASSANDRA_RF", 1, ge=1),
+            var_dir=Path(env_value("CHATPLANE_VAR_DIR", str(ROOT / "var"))).resolve(),
+            run_dir=Path(env_value("CHATPLANE_RUN_DIR", str(ROOT / ".run"))).resolve(),
+            java=java,
+            kafka_ready_timeout_s=env_value("CHATPLANE_KAFKA_READY_TIMEOUT_S", KAFKA_READY_TIMEOUT_S, gt=0),
+            cassandra_ready_timeout_s=env_value("CHATPLANE_CASSANDRA_READY_TIMEOUT_S", CASSANDRA_READY_TIMEOUT_S, gt=0),
         )
 
 
@@ -800,7 +801,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     for noisy in ("aiokafka", "cassandra"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
-    cfg = Config.from_env()
+    try:
+        cfg = Config.from_env()
+    except SettingsError as exc:
+        print(f"chatplane-infra: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     try:
         if args.command == "kafka-start":
             kafka_start(cfg)

@@ -21,6 +21,7 @@ import orjson
 
 from workers.engines.base import Engine
 from workers.registry import RegisteredModel, default_registry
+from projections.shared.settings import SettingsError, exit_on_settings_error
 from workers.settings import WorkerSettings
 from workers.worker import MissingTopics, NullResultSink, ResultSink, Worker
 
@@ -54,9 +55,12 @@ def build_result_sink(settings: WorkerSettings) -> ResultSink:
     """The Cassandra result store unless ``CHATPLANE_WORKER_RESULT_STORE=none`` (opened lazily, bounded per put)."""
     if settings.result_store == "none":
         return NullResultSink()
+    from projections.readmodel.schema import ReadModelSettings
     from workers.result_sink import CassandraResultSink
 
+    # The store opens lazily; its settings (CHATPLANE_CASSANDRA_*) are read now, so a bad value stops the start.
     return CassandraResultSink(
+        ReadModelSettings(),
         attempts_max=settings.result_put_attempts_max,
         backoff_s=settings.result_put_backoff_s,
         deadline_s=settings.result_put_deadline_s,
@@ -100,6 +104,8 @@ def main() -> None:
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
     try:
         asyncio.run(amain(args.engine))
+    except SettingsError as exc:  # a CHATPLANE_* variable of the worker or of its engine
+        exit_on_settings_error(exc)
     except MissingTopics as exc:
         raise SystemExit(f"workers: {exc}") from None
 

@@ -8,6 +8,8 @@ Every bound has its unit in the name. ``CHATPLANE_*`` variables:
     WORKER_RESULT_STORE (cassandra|none), WORKER_RESULT_PUT_ATTEMPTS_MAX, WORKER_RESULT_PUT_BACKOFF_S,
     WORKER_RESULT_PUT_DEADLINE_S; the result store's Cassandra (CASSANDRA_HOSTS, CASSANDRA_PORT,
     CASSANDRA_KEYSPACE, RESULT_TTL_S) is read by ``projections.readmodel.schema.ReadModelSettings``.
+Parsed and checked by the shared loader (``projections.shared.settings``): a bad value stops the worker
+at start with one line naming the variable.
 """
 
 from __future__ import annotations
@@ -15,19 +17,12 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from projections.shared.settings import SettingsError, env_var, setting
 from schemas.topics import Topology
 
-
-def _int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    return default if raw in (None, "") else int(raw)
-
-
-def _float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    return default if raw in (None, "") else float(raw)
+RESULT_STORES = ("cassandra", "none")
 
 
 def _default_worker_id() -> str:
@@ -36,52 +31,54 @@ def _default_worker_id() -> str:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    kafka_bootstrap: str = field(default_factory=lambda: os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
-    topology: Topology = field(default_factory=lambda: Topology(os.environ.get("CHATPLANE_NAMESPACE", "")))
-    worker_id: str = field(default_factory=lambda: os.environ.get("CHATPLANE_WORKER_ID") or _default_worker_id())
-    pool: str = field(default_factory=lambda: os.environ.get("CHATPLANE_WORKER_POOL", "default"))
-    model_alias: str = field(default_factory=lambda: os.environ.get("CHATPLANE_WORKER_MODEL_ALIAS", "fast-text-model"))
+    kafka_bootstrap: str = setting("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    topology: Topology = setting("CHATPLANE_NAMESPACE", Topology(""), parse=Topology, expected="a namespace")
+    worker_id: str = setting("CHATPLANE_WORKER_ID", kind=str, default_factory=_default_worker_id)
+    pool: str = setting("CHATPLANE_WORKER_POOL", "default")
+    model_alias: str = setting("CHATPLANE_WORKER_MODEL_ALIAS", "fast-text-model")
     # Slots: generations in flight at once (capped by the engine's own ceiling).
-    slots: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_SLOTS", 0))  # 0: the engine's ceiling
+    slots: int = setting("CHATPLANE_WORKER_SLOTS", 0, ge=0)  # 0: the engine's ceiling
     # Weighted share of paid vs free dispatches, and the smallest share free work always gets.
-    paid_weight: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_PAID_WEIGHT", 3))
-    free_min_share: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_FREE_MIN_SHARE", 0.2))
-    heartbeat_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_HEARTBEAT_INTERVAL_S", 1.0))
+    paid_weight: int = setting("CHATPLANE_WORKER_PAID_WEIGHT", 3, ge=0)
+    free_min_share: float = setting("CHATPLANE_WORKER_FREE_MIN_SHARE", 0.2, ge=0, le=1)
+    heartbeat_interval_s: float = setting("CHATPLANE_WORKER_HEARTBEAT_INTERVAL_S", 1.0, gt=0)
     # A change of free slots sends a heartbeat at once, but never more than one per this interval.
-    heartbeat_min_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_HEARTBEAT_MIN_INTERVAL_S", 0.05))
-    renew_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_RENEW_INTERVAL_S", 3.0))
+    heartbeat_min_interval_s: float = setting("CHATPLANE_WORKER_HEARTBEAT_MIN_INTERVAL_S", 0.05, ge=0)
+    renew_interval_s: float = setting("CHATPLANE_WORKER_RENEW_INTERVAL_S", 3.0, gt=0)
     # The processor's lease (the same variable it reads, default Policy.lease_ms): an attempt whose
     # lease no renewal confirmed in time stops its engine ("lease_lost") instead of computing on.
-    lease_ms: int = field(default_factory=lambda: _int("CHATPLANE_LEASE_MS", 10_000))
+    lease_ms: int = setting("CHATPLANE_LEASE_MS", 10_000, ge=1)
     # Deltas to the edge: the first text of a generation goes at once; after it, engine text is
     # gathered into the next delta until the previous one is acknowledged by Kafka and at least
     # delta_interval_ms passed since it was sent (0: only the acknowledgement), up to
     # delta_coalesce_chars_max characters (0: one delta per engine chunk, no gathering). At 100
     # tokens/s per stream, 50 ms is 3 to 5 tokens per delta: a third to a fifth of the messages for the
     # worker, Kafka and the edge, and a pause no reader sees.
-    delta_interval_ms: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_DELTA_INTERVAL_MS", 50.0))
-    delta_coalesce_chars_max: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_DELTA_COALESCE_CHARS_MAX", 4096))
-    prompt_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_PROMPT_TIMEOUT_S", 2.0))
-    decision_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_DECISION_TIMEOUT_S", 3.0))
-    decision_attempts_max: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_DECISION_ATTEMPTS_MAX", 3))
-    generation_duration_max_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_GENERATION_DURATION_MAX_S", 120.0))
+    delta_interval_ms: float = setting("CHATPLANE_WORKER_DELTA_INTERVAL_MS", 50.0, ge=0)
+    delta_coalesce_chars_max: int = setting("CHATPLANE_WORKER_DELTA_COALESCE_CHARS_MAX", 4096, ge=0)
+    prompt_timeout_s: float = setting("CHATPLANE_WORKER_PROMPT_TIMEOUT_S", 2.0, gt=0)
+    decision_timeout_s: float = setting("CHATPLANE_WORKER_DECISION_TIMEOUT_S", 3.0, gt=0)
+    decision_attempts_max: int = setting("CHATPLANE_WORKER_DECISION_ATTEMPTS_MAX", 3, ge=1)
+    generation_duration_max_s: float = setting("CHATPLANE_WORKER_GENERATION_DURATION_MAX_S", 120.0, gt=0)
     # No chunk from the engine for this long: the engine is hung; abort it and fail the attempt.
-    engine_stall_max_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_ENGINE_STALL_MAX_S", 30.0))
+    engine_stall_max_s: float = setting("CHATPLANE_WORKER_ENGINE_STALL_MAX_S", 30.0, gt=0)
     # Queue deadline check tolerance for clock skew between processor and worker (ms).
-    session_timeout_ms: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_SESSION_TIMEOUT_MS", 10_000))
+    session_timeout_ms: int = setting("CHATPLANE_WORKER_SESSION_TIMEOUT_MS", 10_000, ge=1)
     # Where the final text goes before completion is reported (workers.result_sink): "cassandra" for
     # python -m workers, "none" to keep nothing (then every same-key retry answers result_unavailable).
-    result_store: str = field(default_factory=lambda: os.environ.get("CHATPLANE_WORKER_RESULT_STORE", "cassandra"))
+    result_store: str = setting("CHATPLANE_WORKER_RESULT_STORE", "cassandra", choices=RESULT_STORES)
     # One put's bounds: attempts, pause between them, and the whole budget (lazy open included); it stays
     # under lease_ms (10 s) minus renew_interval_s, since the lease is no longer renewed during the put.
-    result_put_attempts_max: int = field(default_factory=lambda: _int("CHATPLANE_WORKER_RESULT_PUT_ATTEMPTS_MAX", 3))
-    result_put_backoff_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_RESULT_PUT_BACKOFF_S", 0.2))
-    result_put_deadline_s: float = field(default_factory=lambda: _float("CHATPLANE_WORKER_RESULT_PUT_DEADLINE_S", 4.0))
-    max_output_tokens_max: int = field(default_factory=lambda: _int("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", 4096))
+    result_put_attempts_max: int = setting("CHATPLANE_WORKER_RESULT_PUT_ATTEMPTS_MAX", 3, ge=1)
+    result_put_backoff_s: float = setting("CHATPLANE_WORKER_RESULT_PUT_BACKOFF_S", 0.2, ge=0)
+    result_put_deadline_s: float = setting("CHATPLANE_WORKER_RESULT_PUT_DEADLINE_S", 4.0, gt=0)
+    max_output_tokens_max: int = setting("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", 4096, ge=1)
 
     def __post_init__(self) -> None:
-        if self.result_store not in ("cassandra", "none"):
-            raise ValueError(f"CHATPLANE_WORKER_RESULT_STORE must be cassandra or none, not {self.result_store!r}")
+        # Also checked when the value comes from code (the environment's is refused while reading).
+        if self.result_store not in RESULT_STORES:
+            var = env_var(WorkerSettings, "result_store")
+            raise SettingsError(f"{var}={self.result_store!r}: expected one of {', '.join(RESULT_STORES)}")
 
     @property
     def group_id(self) -> str:

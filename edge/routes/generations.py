@@ -5,13 +5,15 @@ decision comes back on this edge's inbox (``CommandClient.decide``), and the gen
 terminal event through ``edge.streams.StreamHub``. Every refusal is raised as ``ApiError`` and
 rendered by ``edge.errors`` (the one place codes become HTTP). Bounds are checked before any work,
 in this order: authentication, Idempotency-Key, drain/stream capacity, body bytes (counted while
-reading), JSON shape and roles, model, ``max_output_tokens``, input tokens, burst bucket; only then
-is a command appended.
+reading), JSON shape (the message count and ``max_output_tokens`` included) and roles, model, input
+tokens, burst bucket; only then is a command appended. The shape's bounds come from the settings
+(``request_model``), so the OpenAPI document shows the configured ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from dataclasses import replace
@@ -25,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from edge.deps import CurrentPrincipal, IdempotencyKey
 from edge.errors import DRAINING_RETRY_AFTER_S, ApiError
 from edge.fingerprint import fingerprint
+from edge.settings import EdgeSettings
 from edge.streams import GenerationStream, GenerationView
 from projections.shared.command_client import DecisionTimeout, TooManyPending
 from schemas.codes import REJECTIONS, RejectionCode, RequestStatus
@@ -49,12 +52,28 @@ class InputMessage(BaseModel):
     content: str = Field(min_length=1, max_length=MESSAGE_CONTENT_CHARS_MAX)
 
 
-class GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str = Field(min_length=1, max_length=128, examples=["fast-text-model"])
-    messages: list[InputMessage] = Field(min_length=1, max_length=256)
-    stream: bool = False
-    max_output_tokens: int = Field(ge=1, le=4096)
+@functools.cache
+def request_model(messages_count_max: int, max_output_tokens_max: int) -> type[BaseModel]:
+    """The request body's model with these bounds (one class per pair of bounds, built once).
+
+    Built from the settings (``request_model_for``) rather than written as literals, so that raising
+    ``CHATPLANE_MAX_OUTPUT_TOKENS_MAX`` or ``CHATPLANE_EDGE_MESSAGES_COUNT_MAX`` really lets larger
+    requests through, and the OpenAPI document states the bounds this edge enforces.
+    """
+
+    class GenerationRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        model: str = Field(min_length=1, max_length=128, examples=["fast-text-model"])
+        messages: list[InputMessage] = Field(min_length=1, max_length=messages_count_max)
+        stream: bool = False
+        max_output_tokens: int = Field(ge=1, le=max_output_tokens_max)
+
+    return GenerationRequest
+
+
+def request_model_for(settings: EdgeSettings) -> type[BaseModel]:
+    """The request body's model with this edge's bounds."""
+    return request_model(settings.messages_count_max, settings.policy.max_output_tokens_max)
 
 
 class Usage(BaseModel):
@@ -123,17 +142,23 @@ async def _read_body(request: Request, limit_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def _parse(body: bytes) -> GenerationRequest:
+# Pydantic's error types for a value over its upper bound, and where the error names that bound.
+_LIMIT_CONTEXT_KEYS = {"too_long": "max_length", "less_than_equal": "le"}
+
+
+def _parse(body: bytes, model: type[BaseModel]) -> Any:
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
         raise ApiError(RejectionCode.INVALID_REQUEST, field="body") from None
     try:
-        return GenerationRequest.model_validate(doc)
+        return model.model_validate(doc)
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise ApiError(RejectionCode.INVALID_REQUEST, field=where) from None
+        limit = first.get("ctx", {}).get(_LIMIT_CONTEXT_KEYS.get(first["type"], ""))
+        details = RejectionDetails(limit=limit) if isinstance(limit, int) else None
+        raise ApiError(RejectionCode.INVALID_REQUEST, details, field=where) from None
 
 
 def _document(view: GenerationView, text: str | None) -> dict[str, Any]:
@@ -166,9 +191,7 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
     if edge.hub.draining or edge.hub.full():
         raise ApiError(RejectionCode.CAPACITY_EXHAUSTED, retry_after_s=DRAINING_RETRY_AFTER_S)
     body = await _read_body(request, settings.request_body_bytes_max)
-    req = _parse(body)
-    if len(req.messages) > settings.messages_count_max:
-        raise ApiError(RejectionCode.INVALID_REQUEST, field="messages", details=RejectionDetails(limit=settings.messages_count_max))
+    req = _parse(body, request_model_for(settings))
     if req.messages[-1].role != "user":
         raise ApiError(RejectionCode.INVALID_REQUEST, field=f"messages.{len(req.messages) - 1}.role")
     model = settings.policy.models.get(req.model)
@@ -176,12 +199,6 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
         raise ApiError(RejectionCode.INVALID_REQUEST, field="model")
     if principal.tier not in model.tiers:
         raise ApiError(RejectionCode.MODEL_NOT_ALLOWED, field="model")
-    if req.max_output_tokens > settings.policy.max_output_tokens_max:
-        raise ApiError(
-            RejectionCode.INVALID_REQUEST,
-            field="max_output_tokens",
-            details=RejectionDetails(limit=settings.policy.max_output_tokens_max),
-        )
     messages = tuple(ChatMessage(role=m.role, content=m.content) for m in req.messages)
     input_tokens = edge.count_tokens(req.model, messages)
     if input_tokens > settings.input_tokens_max:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from control_plane.invariants import InvariantMonitor, Violation, check_state
 from control_plane.policy import Policy
 from control_plane.state import UserLedger
 from schemas import events as ev
+from projections.shared.settings import env_value
 from projections.shared.topic_reader import read_topic
 from schemas.topics import Topology
 from schemas.wire import WireError, decode_ledger_entry
@@ -149,8 +149,8 @@ async def audit(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m projections.ledger.audit", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bootstrap", default=os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
-    parser.add_argument("--namespace", default=os.environ.get("CHATPLANE_NAMESPACE", ""))
+    parser.add_argument("--bootstrap", default=env_value("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    parser.add_argument("--namespace", default=env_value("CHATPLANE_NAMESPACE", ""))
     parser.add_argument("--from-offset", type=int, help="start every partition at this offset")
     parser.add_argument("--from-time", help="start at this ISO-8601 time (UTC)")
     parser.add_argument("--no-table", action="store_true", help="do not compare with the processor's table")

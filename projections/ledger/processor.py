@@ -41,6 +41,7 @@ from control_plane.decide import next_deadline_ms
 from control_plane.routing import route
 from projections.shared.gc_tuning import tune_gc
 from projections.shared.kafka_admin import assert_copartitioned
+from projections.shared.settings import SettingsError, exit_on_settings_error
 from projections.ledger.settings import ProcessorSettings
 from projections.ledger.table_store import EMPTY_LAYOUT, Layout, TableWrites, is_settled_key, join, plan, unpack_deadline
 from schemas.commands import ReconcileDue
@@ -502,7 +503,10 @@ def quiet_client_loggers() -> None:
 
 def main() -> None:
     level = os.environ.get("CHATPLANE_LOG_LEVEL", "WARNING").upper()
-    settings = ProcessorSettings()
+    try:
+        settings = ProcessorSettings()
+    except SettingsError as exc:
+        exit_on_settings_error(exc)
     processor = AdmissionProcessor(settings)
     asyncio.run(processor.check_topology())
     worker = faust.Worker(processor.app, loglevel=level, quiet=True)

@@ -1,64 +1,55 @@
-"""Settings of the processes in ``projections/``, read from the environment once at start-up."""
+"""Settings of the admission processor (``python -m projections.ledger.processor``), read from the
+environment once at start-up by the shared loader (``projections.shared.settings``)."""
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass, field
 
 from control_plane.policy import Policy
-from projections.shared.settings import policy_from_env
 from projections.shared.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
+from projections.shared.settings import policy_from_env, setting
 from schemas.topics import Topology
 
 
-def _int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    return default if raw in (None, "") else int(raw)
-
-
-def _float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    return default if raw in (None, "") else float(raw)
-
-
 def _pairs(raw: str) -> frozenset[tuple[int, int]]:
+    """``"0:5,1:9"`` -> ``{(0, 5), (1, 9)}``; raises ValueError on anything else."""
     pairs = (item.split(":") for item in raw.split(",") if item.strip())
     return frozenset((int(a), int(b)) for a, b in pairs)
 
 
 @dataclass(frozen=True)
 class ProcessorSettings:
-    kafka_bootstrap: str = field(default_factory=lambda: os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
-    topology: Topology = field(default_factory=lambda: Topology(os.environ.get("CHATPLANE_NAMESPACE", "")))
+    kafka_bootstrap: str = setting("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    topology: Topology = setting("CHATPLANE_NAMESPACE", Topology(""), parse=Topology, expected="a namespace")
     # Stable across restarts of the same instance (it is the consumer group's static member id).
-    instance_id: str = field(default_factory=lambda: os.environ.get("CHATPLANE_PROCESSOR_ID", socket.gethostname()))
+    instance_id: str = setting("CHATPLANE_PROCESSOR_ID", kind=str, default_factory=socket.gethostname)
     # A member that stops heartbeating for this long loses its partitions to the others.
-    session_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_PROCESSOR_SESSION_TIMEOUT_S", 10.0))
+    session_timeout_s: float = setting("CHATPLANE_PROCESSOR_SESSION_TIMEOUT_S", 10.0, gt=0)
     # How often consumed offsets are committed; commands after the last commit are redelivered
     # after a crash (and answered from the aggregates' decision memory).
-    commit_interval_s: float = field(default_factory=lambda: _float("CHATPLANE_PROCESSOR_COMMIT_INTERVAL_S", 1.0))
-    reconcile_tick_s: float = field(default_factory=lambda: _float("CHATPLANE_RECONCILE_TICK_S", 0.5))
+    commit_interval_s: float = setting("CHATPLANE_PROCESSOR_COMMIT_INTERVAL_S", 1.0, gt=0)
+    reconcile_tick_s: float = setting("CHATPLANE_RECONCILE_TICK_S", 0.5, gt=0)
     # ReconcileDue commands the timer appends per tick at most: a burst of due deadlines (a worker
     # pool outage lets every queued attempt expire together; a recovery) is spread over ticks, so
     # the commands behind it on the same partitions (new submits) are not starved.
-    reconcile_commands_per_tick_max: int = field(default_factory=lambda: _int("CHATPLANE_RECONCILE_PER_TICK_MAX", 500))
+    reconcile_commands_per_tick_max: int = setting("CHATPLANE_RECONCILE_PER_TICK_MAX", 500, ge=1)
     # After the timer appended a ReconcileDue for a user, it waits this long before appending another.
-    reconcile_resend_ms: int = field(default_factory=lambda: _int("CHATPLANE_RECONCILE_RESEND_MS", 5_000))
+    reconcile_resend_ms: int = setting("CHATPLANE_RECONCILE_RESEND_MS", 5_000, ge=0)
     # Commands decided but not yet durable (their outputs unacknowledged by Kafka, their state not
     # yet written to the table); the agent waits for the oldest one when this many are in flight.
-    pending_commands_max: int = field(default_factory=lambda: _int("CHATPLANE_PROCESSOR_PENDING_MAX", 2_000))
+    pending_commands_max: int = setting("CHATPLANE_PROCESSOR_PENDING_MAX", 2_000, ge=1)
     # Cyclic GC: allocations before a young-generation collection (Python's default 700); 0 keeps
     # Python's settings and skips freezing the start-up objects (see processor.tune_gc).
-    gc_gen0_threshold: int = field(default_factory=lambda: _int("CHATPLANE_PROCESSOR_GC_GEN0_THRESHOLD", GC_GEN0_THRESHOLD_DEFAULT))
+    gc_gen0_threshold: int = setting("CHATPLANE_PROCESSOR_GC_GEN0_THRESHOLD", GC_GEN0_THRESHOLD_DEFAULT, ge=0)
     # Reading commands faust skipped (see AdmissionProcessor._fill_gap): the whole read, and the
     # records per fetch; the processor stops rather than go on past a hole it could not read.
-    gap_fill_timeout_s: float = field(default_factory=lambda: _float("CHATPLANE_PROCESSOR_GAP_FILL_TIMEOUT_S", 30.0))
-    gap_fill_batch_max: int = field(default_factory=lambda: _int("CHATPLANE_PROCESSOR_GAP_FILL_BATCH_MAX", 500))
+    gap_fill_timeout_s: float = setting("CHATPLANE_PROCESSOR_GAP_FILL_TIMEOUT_S", 30.0, gt=0)
+    gap_fill_batch_max: int = setting("CHATPLANE_PROCESSOR_GAP_FILL_BATCH_MAX", 500, ge=1)
     # Fault injection for tests only: "partition:offset,..." deliveries the agent drops once, as
     # faust-streaming itself was seen to (see AdmissionProcessor._fill_gap). Empty in production.
-    fault_skip_deliveries: frozenset[tuple[int, int]] = field(
-        default_factory=lambda: _pairs(os.environ.get("CHATPLANE_FAULT_SKIP_DELIVERIES", ""))
+    fault_skip_deliveries: frozenset[tuple[int, int]] = setting(
+        "CHATPLANE_FAULT_SKIP_DELIVERIES", frozenset(), parse=_pairs, expected="partition:offset pairs, comma-separated"
     )
-    data_dir: str = field(default_factory=lambda: os.environ.get("CHATPLANE_DATA_DIR", "var/processor"))
+    data_dir: str = setting("CHATPLANE_DATA_DIR", "var/processor")
     policy: Policy = field(default_factory=policy_from_env)

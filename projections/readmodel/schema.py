@@ -15,12 +15,12 @@ start, so a fresh keyspace needs no separate migration step. Table names come fr
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from projections.shared.cassandra import execute, named_tuple_rows
+from projections.shared.settings import SettingsError, comma_list, env_var, setting
 from schemas.topics import GENERATIONS_TABLE, KEYSPACE, RESULTS_TABLE
 
 CQL_PROTOCOL_VERSION = 5  # Cassandra 4.0+; skips the driver's downgrade round trips
@@ -97,41 +97,32 @@ def keyspace_ddl(keyspace: str, replication_factor: int) -> str:
     )
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    return default if raw in (None, "") else int(raw)
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    return default if raw in (None, "") else float(raw)
-
-
 @dataclass(frozen=True)
 class ReadModelSettings:
-    """Where the read models live and how long they keep things; every field has a ``CHATPLANE_*`` variable."""
+    """Where the read models live and how long they keep things; every field has a ``CHATPLANE_*`` variable,
+    read by the shared loader (``projections.shared.settings``)."""
 
-    hosts: tuple[str, ...] = field(
-        default_factory=lambda: tuple(
-            h.strip() for h in os.environ.get("CHATPLANE_CASSANDRA_HOSTS", "127.0.0.1").split(",") if h.strip()
-        )
+    hosts: tuple[str, ...] = setting(
+        "CHATPLANE_CASSANDRA_HOSTS", ("127.0.0.1",), parse=comma_list, expected="comma-separated host names"
     )
-    port: int = field(default_factory=lambda: _env_int("CHATPLANE_CASSANDRA_PORT", 9042))
-    keyspace: str = field(default_factory=lambda: os.environ.get("CHATPLANE_CASSANDRA_KEYSPACE", KEYSPACE))
-    replication_factor: int = field(default_factory=lambda: _env_int("CHATPLANE_CASSANDRA_RF", 1))
-    result_ttl_s: int = field(default_factory=lambda: _env_int("CHATPLANE_RESULT_TTL_S", RESULT_TTL_S_DEFAULT))
-    metadata_ttl_s: int = field(
-        default_factory=lambda: _env_int("CHATPLANE_GENERATION_METADATA_TTL_S", GENERATION_METADATA_TTL_S_DEFAULT)
-    )
-    read_deadline_s: float = field(
-        default_factory=lambda: _env_float("CHATPLANE_READ_DEADLINE_S", READ_DEADLINE_S_DEFAULT)
-    )
+    port: int = setting("CHATPLANE_CASSANDRA_PORT", 9042, ge=1, le=65_535)
+    keyspace: str = setting("CHATPLANE_CASSANDRA_KEYSPACE", KEYSPACE)  # a plain CQL identifier (__post_init__)
+    replication_factor: int = setting("CHATPLANE_CASSANDRA_RF", 1, ge=1)
+    result_ttl_s: int = setting("CHATPLANE_RESULT_TTL_S", RESULT_TTL_S_DEFAULT, ge=1)
+    metadata_ttl_s: int = setting("CHATPLANE_GENERATION_METADATA_TTL_S", GENERATION_METADATA_TTL_S_DEFAULT, ge=1)
+    read_deadline_s: float = setting("CHATPLANE_READ_DEADLINE_S", READ_DEADLINE_S_DEFAULT, gt=0)
 
     def __post_init__(self) -> None:
+        # Also checked for values passed from code: the keyspace is interpolated into CQL.
         if not _IDENT.match(self.keyspace):
-            raise ValueError(f"keyspace {self.keyspace!r} is not a plain CQL identifier")
+            var = env_var(ReadModelSettings, "keyspace")
+            raise SettingsError(f"{var}={self.keyspace!r}: expected a plain CQL identifier")
         if self.result_ttl_s <= 0 or self.metadata_ttl_s <= self.result_ttl_s:
-            raise ValueError("need 0 < result_ttl_s < metadata_ttl_s (the metadata outlives the content)")
+            ttl, metadata_ttl = env_var(ReadModelSettings, "result_ttl_s"), env_var(ReadModelSettings, "metadata_ttl_s")
+            raise SettingsError(
+                f"{ttl}={self.result_ttl_s}, {metadata_ttl}={self.metadata_ttl_s}: "
+                "expected 0 < result TTL < metadata TTL (the metadata outlives the content)"
+            )
 
 
 def _connect_blocking(settings: ReadModelSettings) -> tuple[Any, Any]:

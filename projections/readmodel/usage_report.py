@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections import defaultdict
 from collections.abc import Iterable
@@ -34,6 +33,7 @@ from datetime import UTC, datetime
 
 import orjson
 
+from projections.shared.settings import env_value
 from projections.shared.topic_reader import read_topic
 from schemas import events as ev
 from schemas.topics import HOUR_MS, Topology
@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m projections.readmodel.usage_report", description=__doc__.split("\n")[0])
     parser.add_argument("--from", dest="from_", required=True, help="ISO 8601 time or epoch ms (inclusive)")
     parser.add_argument("--to", required=True, help="ISO 8601 time or epoch ms (exclusive)")
-    parser.add_argument("--bootstrap", default=os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
-    parser.add_argument("--namespace", default=os.environ.get("CHATPLANE_NAMESPACE", ""))
+    parser.add_argument("--bootstrap", default=env_value("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    parser.add_argument("--namespace", default=env_value("CHATPLANE_NAMESPACE", ""))
     parser.add_argument("--chart", default="usage-report.png", help="PNG path (default usage-report.png)")
     parser.add_argument("--no-chart", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the totals as JSON instead of tables")

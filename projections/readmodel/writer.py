@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import base64
 import logging
-import os
 import signal
 import sys
 import time
@@ -49,6 +48,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
 from projections.shared.cassandra import execute
+from projections.shared.settings import SettingsError, env_value, exit_on_settings_error
 from projections.readmodel.schema import (
     GENERATION_COLUMNS,
     ReadModelSettings,
@@ -426,8 +426,7 @@ class ReadModelProjection:
         await self.producer.send_and_wait(self.topology.dead_letter.name, encode(record), key=key)
 
 
-async def _main(args: argparse.Namespace) -> int:
-    settings = ReadModelSettings()
+async def _main(args: argparse.Namespace, settings: ReadModelSettings) -> int:
     topology = Topology(args.namespace)
     projection = ReadModelProjection(args.bootstrap, topology, settings, group_id=args.group or None)
     loop = asyncio.get_running_loop()
@@ -458,16 +457,20 @@ async def _main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m projections.readmodel", description=__doc__.split("\n")[0])
-    parser.add_argument("--bootstrap", default=os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
-    parser.add_argument("--namespace", default=os.environ.get("CHATPLANE_NAMESPACE", ""))
+    parser.add_argument("--bootstrap", default=env_value("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    parser.add_argument("--namespace", default=env_value("CHATPLANE_NAMESPACE", ""))
     parser.add_argument(
         "--group",
-        default=os.environ.get("CHATPLANE_READMODEL_GROUP", ""),
+        default=env_value("CHATPLANE_READMODEL_GROUP", ""),
         help="consumer group (default <namespace>.chatplane-readmodel); a new group replays the ledger",
     )
     args = parser.parse_args(argv)
+    try:
+        settings = ReadModelSettings()
+    except SettingsError as exc:
+        exit_on_settings_error(exc)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    return asyncio.run(_main(args))
+    return asyncio.run(_main(args, settings))
 
 
 if __name__ == "__main__":

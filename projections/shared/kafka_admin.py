@@ -7,19 +7,20 @@ broker auto-creation, and a running component refuses to start if the cluster di
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Iterable, Mapping
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from projections.shared.settings import env_value
 from schemas.topics import TopicSpec, Topology
 
 ADMIN_REQUEST_TIMEOUT_MS = 30_000
 TOPIC_ALREADY_EXISTS = 36
 # CreateTopics returns once the controller committed the topics; the broker serves them (metadata,
 # DescribeConfigs, produce) only after it applied that record. Creation waits for that, bounded.
-TOPIC_READY_TIMEOUT_S = float(os.environ.get("CHATPLANE_TOPIC_READY_TIMEOUT_S", "30"))
+# CHATPLANE_TOPIC_READY_TIMEOUT_S overrides the default, read when a wait starts.
+TOPIC_READY_TIMEOUT_S_DEFAULT = 30.0
 TOPIC_READY_POLL_S = 0.1
 
 
@@ -28,9 +29,11 @@ class TopologyError(RuntimeError):
 
 
 async def wait_topics_ready(
-    admin: AIOKafkaAdminClient, partitions_by_name: Mapping[str, int], timeout_s: float = TOPIC_READY_TIMEOUT_S
+    admin: AIOKafkaAdminClient, partitions_by_name: Mapping[str, int], timeout_s: float | None = None
 ) -> None:
     """Until the broker lists every named topic with that many partitions, each with a leader."""
+    if timeout_s is None:
+        timeout_s = env_value("CHATPLANE_TOPIC_READY_TIMEOUT_S", TOPIC_READY_TIMEOUT_S_DEFAULT, gt=0)
     want = dict(partitions_by_name)
     if not want:
         return

@@ -1,33 +1,196 @@
-"""Settings every process shares: the admission policy (read by the processor and the edge)."""
+"""The one settings loader every process uses, and the admission policy the processor and the edge share.
+
+Every process (the edge, the processor, the workers, the read-model writer, the ``infra/`` scripts)
+reads its ``CHATPLANE_*`` environment variables once, at start-up, through this module. A settings
+class is a frozen dataclass whose fields are made by ``setting``::
+
+    @dataclass(frozen=True)
+    class EdgeSettings:
+        port: int = setting("CHATPLANE_EDGE_PORT", 8080, ge=1, le=65_535)
+
+so ``EdgeSettings()`` reads the environment, ``EdgeSettings(port=9000)`` overrides a field from code
+(tests) and ``dataclasses.replace`` works as on any dataclass. A value needed outside a class is read
+with ``env_value`` (same rules).
+
+Rules, the same for every variable:
+
+- Unset or empty: the default.
+- ``int``: a decimal integer (``10_000`` is allowed, as in Python); ``float``: a finite decimal number;
+  ``bool``: exactly ``1`` or ``true`` for on, ``0`` or ``false`` for off (anything else is an error,
+  never silently off); ``str``: as written; lists: comma-separated, blank items ignored.
+- A value that does not parse, breaks its bound (``ge``/``gt``/``le``) or is not one of its
+  ``choices`` raises ``SettingsError``, whose message is one line naming the variable, the value and
+  what was expected: ``CHATPLANE_EDGE_PORT='abc': expected an integer``. Each entry point catches it,
+  prints that line to stderr and exits with status 2.
+- Bounds apply to what the environment says; values passed from code are taken as given.
+
+This module imports only the standard library, ``schemas`` and ``control_plane`` (no I/O client), so
+``infra/stack.py`` can use it from the source tree before anything else is importable.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 from control_plane.policy import Policy
 from schemas.codes import Tier
 
+T = TypeVar("T")
 
-def _int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    return default if raw in (None, "") else int(raw)
+SETTINGS_ERROR_EXIT_STATUS = 2  # as argparse's usage errors: the process was started wrongly
+
+
+class SettingsError(ValueError):
+    """A ``CHATPLANE_*`` variable that does not parse or is out of range; ``str(error)`` is one line."""
+
+
+def _parse_int(raw: str) -> int:
+    return int(raw)
+
+
+def _parse_float(raw: str) -> float:
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError(raw)
+    return value
+
+
+def _parse_bool(raw: str) -> bool:
+    if raw in ("1", "true"):
+        return True
+    if raw in ("0", "false"):
+        return False
+    raise ValueError(raw)
+
+
+def _parse_str(raw: str) -> str:
+    return raw
+
+
+def comma_list(raw: str) -> tuple[str, ...]:
+    """``"a, b,,c"`` -> ``("a", "b", "c")``; a list with no item is refused."""
+    items = tuple(item.strip() for item in raw.split(",") if item.strip())
+    if not items:
+        raise ValueError(raw)
+    return items
+
+
+# The parser and the words of the error message for each plain type, chosen by the default's type.
+_PARSERS: dict[type, tuple[Callable[[str], Any], str]] = {
+    bool: (_parse_bool, '"1", "true", "0" or "false"'),
+    int: (_parse_int, "an integer"),
+    float: (_parse_float, "a number"),
+    str: (_parse_str, "a string"),
+}
+
+
+def _bounds_text(ge: float | None, gt: float | None, le: float | None) -> str:
+    parts = [f">= {ge}" if ge is not None else "", f"> {gt}" if gt is not None else "", f"<= {le}" if le is not None else ""]
+    return " and ".join(p for p in parts if p)
+
+
+def env_value(
+    var: str,
+    default: T,
+    *,
+    kind: type | None = None,
+    parse: Callable[[str], Any] | None = None,
+    expected: str | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    choices: Sequence[str] | None = None,
+    default_factory: Callable[[], T] | None = None,
+) -> T:
+    """The value of ``var`` now, parsed and checked; the default when it is unset or empty.
+
+    Args:
+        var: the variable's name, ``CHATPLANE_*``.
+        default: the value when unset (not checked: it is ours); ignored when ``default_factory`` is given.
+        kind: ``int``, ``float``, ``bool`` or ``str``; by default the default's type.
+        parse: instead of ``kind``, a function from the text to the value that raises ``ValueError``.
+        expected: what ``parse`` accepts, for the error message.
+        ge, gt, le: bounds on a number.
+        choices: the accepted texts of a ``str``.
+        default_factory: computes the default when the variable is unset (a host name, a random id).
+    """
+    raw = os.environ.get(var, "")
+    if raw == "":
+        return default_factory() if default_factory is not None else default
+    if parse is None:
+        parse, words = _PARSERS[kind or type(default)]
+        expected = expected or words
+    expected = expected or "a valid value"
+    try:
+        value = parse(raw)
+    except (ValueError, TypeError):
+        raise SettingsError(f"{var}={raw!r}: expected {expected}") from None
+    if choices is not None and value not in choices:
+        raise SettingsError(f"{var}={raw!r}: expected one of {', '.join(choices)}")
+    if (ge is not None and value < ge) or (gt is not None and value <= gt) or (le is not None and value > le):
+        raise SettingsError(f"{var}={raw!r}: expected {expected} {_bounds_text(ge, gt, le)}")
+    return value  # type: ignore[no-any-return]
+
+
+def setting(
+    var: str,
+    default: Any = None,
+    *,
+    kind: type | None = None,
+    parse: Callable[[str], Any] | None = None,
+    expected: str | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    choices: Sequence[str] | None = None,
+    default_factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A dataclass field read from ``var`` when the class is built without it (see ``env_value``)."""
+
+    def read() -> Any:
+        return env_value(
+            var, default, kind=kind, parse=parse, expected=expected, ge=ge, gt=gt, le=le, choices=choices,
+            default_factory=default_factory,
+        )
+
+    return dataclasses.field(default_factory=read, metadata={"env": var})
+
+
+def env_var(cls: type, field_name: str) -> str:
+    """The variable a settings field is read from (for messages about a relation between fields)."""
+    return str(next(f for f in dataclasses.fields(cls) if f.name == field_name).metadata["env"])
+
+
+def exit_on_settings_error(error: SettingsError) -> NoReturn:
+    """An entry point's answer to a bad setting: the one line on stderr, status 2, no traceback."""
+    print(error, file=sys.stderr, flush=True)
+    raise SystemExit(SETTINGS_ERROR_EXIT_STATUS)
 
 
 def policy_from_env() -> Policy:
-    """The admission policy; every limit can be set by a ``CHATPLANE_*`` variable."""
+    """The admission policy; every limit can be set by a ``CHATPLANE_*`` variable.
+
+    The one place the processor and the edge build their ``Policy`` from the environment. The model
+    catalog (``Policy.models``) is the policy's own default here.
+    """
     base = Policy()
     return Policy(
         quota_limit_by_tier={
-            Tier.FREE: _int("CHATPLANE_QUOTA_FREE_PER_WINDOW", base.quota_limit_by_tier[Tier.FREE]),
-            Tier.PAID: _int("CHATPLANE_QUOTA_PAID_PER_WINDOW", base.quota_limit_by_tier[Tier.PAID]),
+            Tier.FREE: env_value("CHATPLANE_QUOTA_FREE_PER_WINDOW", base.quota_limit_by_tier[Tier.FREE], ge=0),
+            Tier.PAID: env_value("CHATPLANE_QUOTA_PAID_PER_WINDOW", base.quota_limit_by_tier[Tier.PAID], ge=0),
         },
-        concurrency_limit=_int("CHATPLANE_CONCURRENCY_LIMIT", base.concurrency_limit),
-        queue_wait_max_ms=_int("CHATPLANE_QUEUE_WAIT_MAX_MS", base.queue_wait_max_ms),
-        queue_budget_ms=_int("CHATPLANE_QUEUE_BUDGET_MS", base.queue_budget_ms),
-        reconcile_grace_ms=_int("CHATPLANE_RECONCILE_GRACE_MS", base.reconcile_grace_ms),
-        lease_ms=_int("CHATPLANE_LEASE_MS", base.lease_ms),
-        generation_duration_max_ms=_int("CHATPLANE_GENERATION_DURATION_MAX_MS", base.generation_duration_max_ms),
-        dedup_retention_ms=_int("CHATPLANE_DEDUP_RETENTION_MS", base.dedup_retention_ms),
-        result_ttl_ms=_int("CHATPLANE_RESULT_TTL_MS", base.result_ttl_ms),
-        max_output_tokens_max=_int("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", base.max_output_tokens_max),
+        concurrency_limit=env_value("CHATPLANE_CONCURRENCY_LIMIT", base.concurrency_limit, ge=1),
+        queue_wait_max_ms=env_value("CHATPLANE_QUEUE_WAIT_MAX_MS", base.queue_wait_max_ms, ge=1),
+        queue_budget_ms=env_value("CHATPLANE_QUEUE_BUDGET_MS", base.queue_budget_ms, ge=0),
+        reconcile_grace_ms=env_value("CHATPLANE_RECONCILE_GRACE_MS", base.reconcile_grace_ms, ge=0),
+        lease_ms=env_value("CHATPLANE_LEASE_MS", base.lease_ms, ge=1),
+        generation_duration_max_ms=env_value("CHATPLANE_GENERATION_DURATION_MAX_MS", base.generation_duration_max_ms, ge=1),
+        dedup_retention_ms=env_value("CHATPLANE_DEDUP_RETENTION_MS", base.dedup_retention_ms, ge=0),
+        result_ttl_ms=env_value("CHATPLANE_RESULT_TTL_MS", base.result_ttl_ms, ge=1),
+        max_output_tokens_max=env_value("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", base.max_output_tokens_max, ge=1),
     )

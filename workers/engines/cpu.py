@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from projections.shared.settings import env_value
 from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, TextChunk
 
 CPU_ENGINE_NAME = "cpu"
@@ -33,7 +34,7 @@ CPU_CONTEXT_TOKENS = 2048
 # its machine with Kafka, the processor and the edge under `make up`, and llama.cpp's threads spin-wait
 # for each other, so on a busy 2-core machine 2 threads decoded ~22 tokens/s and 1 thread ~65.
 CPU_THREADS_MAX = 4
-CPU_THREADS = int(os.environ.get("CHATPLANE_CPU_THREADS") or max(1, min(CPU_THREADS_MAX, (os.cpu_count() or 2) // 2)))
+CPU_THREADS = env_value("CHATPLANE_CPU_THREADS", max(1, min(CPU_THREADS_MAX, (os.cpu_count() or 2) // 2)), ge=1)
 CPU_BATCH_TOKENS = 512
 
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from projections.shared.settings import env_value
 from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, TextChunk
 
 SIM_ENGINE_NAME = "sim"
@@ -44,26 +44,19 @@ class SimConfig:
 
     @classmethod
     def from_env(cls) -> SimConfig:
-        def f(name: str, default: float) -> float:
-            raw = os.environ.get(name)
-            return default if raw in (None, "") else float(raw)
-
-        def opt(name: str) -> int | None:
-            raw = os.environ.get(name)
-            return None if raw in (None, "") else int(raw)
-
+        """Every field from ``CHATPLANE_SIM_*`` (the shared loader: a bad value is one line naming it)."""
         base = cls()
         return cls(
-            ttft_ms=f("CHATPLANE_SIM_TTFT_MS", base.ttft_ms),
-            inter_token_ms=f("CHATPLANE_SIM_INTER_TOKEN_MS", base.inter_token_ms),
-            jitter_ms=f("CHATPLANE_SIM_JITTER_MS", base.jitter_ms),
-            output_tokens=int(f("CHATPLANE_SIM_OUTPUT_TOKENS", base.output_tokens)),
-            max_concurrent=int(f("CHATPLANE_SIM_MAX_CONCURRENT", base.max_concurrent)),
-            crash_after_tokens=opt("CHATPLANE_SIM_CRASH_AFTER_TOKENS"),
-            stall_after_tokens=opt("CHATPLANE_SIM_STALL_AFTER_TOKENS"),
-            stall_s=f("CHATPLANE_SIM_STALL_S", base.stall_s),
-            slow_start_factor=f("CHATPLANE_SIM_SLOW_START_FACTOR", base.slow_start_factor),
-            seed=int(f("CHATPLANE_SIM_SEED", base.seed)),
+            ttft_ms=env_value("CHATPLANE_SIM_TTFT_MS", base.ttft_ms, ge=0),
+            inter_token_ms=env_value("CHATPLANE_SIM_INTER_TOKEN_MS", base.inter_token_ms, ge=0),
+            jitter_ms=env_value("CHATPLANE_SIM_JITTER_MS", base.jitter_ms, ge=0),
+            output_tokens=env_value("CHATPLANE_SIM_OUTPUT_TOKENS", base.output_tokens, ge=0),
+            max_concurrent=env_value("CHATPLANE_SIM_MAX_CONCURRENT", base.max_concurrent, ge=1),
+            crash_after_tokens=env_value("CHATPLANE_SIM_CRASH_AFTER_TOKENS", None, kind=int, ge=0),
+            stall_after_tokens=env_value("CHATPLANE_SIM_STALL_AFTER_TOKENS", None, kind=int, ge=0),
+            stall_s=env_value("CHATPLANE_SIM_STALL_S", base.stall_s, ge=0),
+            slow_start_factor=env_value("CHATPLANE_SIM_SLOW_START_FACTOR", base.slow_start_factor, gt=0),
+            seed=env_value("CHATPLANE_SIM_SEED", base.seed),
         )
 
 
