@@ -54,6 +54,31 @@ class FinishOutcome(StrEnum):
     FAILED = "failed"  # engine error, crash detected, or the worker enforced a deadline
 
 
+class FinishReason(StrEnum):
+    """Why an attempt ended, as its worker reports it (``ReportAttemptFinished.finish_reason``).
+
+    The ledger keeps it in ``GenerationCompleted.finish_reason`` (completions) and, when not empty, in
+    ``UsageRecorded.terminal_reason``. Closed: a worker sends nothing else (an engine's own error text
+    stays in the worker's log as ``engine_error``)."""
+
+    NONE = ""  # no reason given (the command's default; recorded ledgers carry it)
+    # The engine ended the answer by itself.
+    STOP = "stop"  # the model ended its answer
+    LENGTH = "length"  # max_output_tokens reached
+    # The engine acknowledged a stop; why the worker stopped it.
+    ABORTED = "aborted"  # an abort the worker did not ask for
+    CANCEL = "cancel"  # the generation was cancelled
+    FENCED = "fenced"  # the processor fenced the epoch
+    LEASE_LOST = "lease_lost"  # no lease renewal was confirmed in time
+    WORKER_SHUTDOWN = "worker_shutdown"  # the worker's drain on shutdown ran out
+    # The worker ended the attempt without the engine's end.
+    GENERATION_DURATION_MAX = "generation_duration_max"  # the run passed the worker's duration limit
+    ENGINE_STALLED = "engine_stalled"  # the engine produced nothing for too long
+    ABORT_NOT_ACKNOWLEDGED = "abort_not_acknowledged"  # the engine never acknowledged the abort
+    ENGINE_ENDED_WITHOUT_FINISH = "engine_ended_without_finish"  # the engine's stream ended without its end
+    ENGINE_ERROR = "engine_error"  # the engine failed (its reason stays in the worker's log)
+
+
 class CancelReason(StrEnum):
     USER = "user"
     CLIENT_DISCONNECT = "client_disconnect"

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from schemas.codes import CancelReason, FinishOutcome, RejectionCode, Tier
+from schemas.codes import CancelReason, FinishOutcome, FinishReason, RejectionCode, Tier
 
 COMMAND_SCHEMA_VERSION = 1
 
@@ -131,7 +131,7 @@ class ReportAttemptFinished:
     outcome: FinishOutcome
     input_tokens: Count
     output_tokens: Count
-    finish_reason: Annotated[str, Field(max_length=64)] = ""
+    finish_reason: FinishReason = FinishReason.NONE
     error_code: RejectionCode | None = None
     reply_to: ReplyTo | None = None
 

@@ -17,6 +17,7 @@ from schemas.codes import (
     CancelReason,
     FenceReason,
     FinishOutcome,
+    FinishReason,
     RejectionCode,
     RequestStatus,
     SlotReleaseReason,
@@ -169,7 +170,7 @@ class GenerationReturnedToAdmission(_EventBase):
 class GenerationCompleted(_EventBase):
     type: Literal["GenerationCompleted"] = "GenerationCompleted"
     epoch: int
-    finish_reason: str
+    finish_reason: FinishReason
     result_expires_at_ms: int
 
 

@@ -8,14 +8,24 @@ Where it sits in the data flow (DESIGN sections 3 and 6)::
     processor --Outcome, StopAttempt--> worker-control partition worker_control_partition(worker_id)
     Worker --TextDelta--> edge inbox (dispatch.stream_to)      Worker --WorkerHeartbeat--> capacity
 
-One attempt: check the model version, the queue deadline (past it: decline, which releases the
+One attempt (``_Attempt``) is a state machine, one method per transition::
+
+    TAKEN --_request_prompt--> PROMPT_REQUESTED --_request_accept--> ACCEPT_REQUESTED --_accepted--> ACCEPTED
+      |                          |                                      |
+      +--------------------------+--------------------------------------+--_give_up / _decline--> GAVE_UP
+    ACCEPTED --_start_engine--> RUNNING --_begin_stop--> STOPPING
+    RUNNING, STOPPING --_on_finished / _fail--> ENDED --_report--> REPORTED
+
+TAKEN: check the model version, the queue deadline (past it: decline, which releases the
 reservation) and the epoch; fetch the prompt from the edge (no answer in time: decline); append
-``AcceptAttempt`` and start the engine only once the processor answered ``running``. Stream deltas
-(sequence 1, 2, ... per (generation, epoch)), renew the lease, and between decode steps check for a
-stop (``StopAttempt``, a ``cancel_requested`` renewal, a lost lease, max tokens, max duration, a
-stalled engine). A stop is acknowledged by the engine's ``Finished(ABORTED)``; the slot is freed only
-after it. The final text goes to the ``ResultSink`` before ``ReportAttemptFinished`` (usage also on
-cancel). No prompt or generated text is ever logged or put in a command.
+``AcceptAttempt`` and start the engine only once the processor answered ``running``. RUNNING: stream
+deltas (sequence 1, 2, ... per (generation, epoch)), renew the lease, and between decode steps check
+for a ``StopReason`` (``StopAttempt``, a ``cancel_requested`` renewal, a lost lease, max tokens, a
+worker shutdown). STOPPING: the stop is acknowledged by the engine's ``Finished(ABORTED)``; the slot is
+freed only after it. An engine that does not acknowledge, stalls, errs or runs past the duration limit
+ends the attempt as an ``AttemptFailure``. REPORTED: the final text went to the ``ResultSink`` before
+``ReportAttemptFinished`` with a closed ``FinishReason`` (usage also on cancel). No prompt or generated
+text is ever logged or put in a command.
 """
 
 from __future__ import annotations
@@ -28,13 +38,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from enum import Enum, StrEnum
+from typing import Any, Protocol, assert_never
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
 from schemas import commands as cmd
-from schemas.codes import FinishOutcome, RejectionCode, RequestStatus
+from schemas.codes import FinishOutcome, FinishReason, RejectionCode, RequestStatus
 from schemas.commands import ReplyTo
 from schemas.messages import (
     DispatchAuthorized,
@@ -48,8 +59,16 @@ from schemas.messages import (
 )
 from schemas.topics import worker_control_partition
 from schemas.wire import WireError, decode_message, encode
-from workers.engines.base import Engine, EngineError, EngineRequest, Finished, FinishReason, Message, TextChunk
-from workers.registry import RegisteredModel
+from workers.engines.base import (
+    Engine,
+    EngineError,
+    EngineRequest,
+    Finished,
+    Generation,
+    Message,
+    TextChunk,
+)
+from workers.engines.base import FinishReason as EngineFinishReason
 from workers.settings import WorkerSettings
 
 log = logging.getLogger("chatplane.workers")
@@ -81,6 +100,14 @@ class ResultSink(Protocol):
     async def put(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> None: ...
 
 
+class ServedModel(Protocol):
+    """What the worker needs of the model it serves (its catalog entry)."""
+
+    system_instructions: str  # trusted; the first message of every engine request
+
+    def serves(self, model_version: str) -> bool: ...
+
+
 class NullResultSink:
     """Keeps nothing (the default when no result store is wired)."""
 
@@ -88,19 +115,127 @@ class NullResultSink:
         return None
 
 
-@dataclass
-class MemoryResultSink:
-    """Keeps results in memory (tests); bounded by ``max_items``."""
+# --- the attempt's closed vocabularies ------------------------------------------------------------
 
-    max_items: int = 1_000
-    items: collections.OrderedDict[tuple[str, int], tuple[str, tuple[int, int]]] = field(
-        default_factory=collections.OrderedDict
-    )
 
-    async def put(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> None:
-        self.items[(generation_id, epoch)] = (text, usage)
-        while len(self.items) > self.max_items:
-            self.items.popitem(last=False)
+class AttemptState(Enum):
+    """Where one attempt is; ``_NEXT_STATES`` lists the transitions ``_Attempt._to`` allows."""
+
+    TAKEN = "taken"  # the dispatch was taken from its topic and a slot is held for it
+    PROMPT_REQUESTED = "prompt_requested"  # PromptRequest sent to the edge; waiting for the PromptPayload
+    ACCEPT_REQUESTED = "accept_requested"  # AcceptAttempt appended; waiting for the processor's answer
+    ACCEPTED = "accepted"  # the processor answered running: the attempt is ours
+    RUNNING = "running"  # the engine generates, deltas stream, the lease is renewed
+    STOPPING = "stopping"  # Generation.abort() called; waiting for the engine's Finished(ABORTED)
+    ENDED = "ended"  # the engine finished, or the attempt failed (``_Attempt.failure``)
+    REPORTED = "reported"  # the result was written and ReportAttemptFinished decided (or not answered)
+    GAVE_UP = "gave_up"  # never ran: declined, not accepted, or stopped before acceptance
+
+
+_S = AttemptState
+_NEXT_STATES: dict[AttemptState, frozenset[AttemptState]] = {
+    _S.TAKEN: frozenset({_S.PROMPT_REQUESTED, _S.GAVE_UP}),
+    _S.PROMPT_REQUESTED: frozenset({_S.ACCEPT_REQUESTED, _S.GAVE_UP}),
+    _S.ACCEPT_REQUESTED: frozenset({_S.ACCEPTED, _S.GAVE_UP}),
+    _S.ACCEPTED: frozenset({_S.RUNNING}),
+    _S.RUNNING: frozenset({_S.STOPPING, _S.ENDED}),
+    _S.STOPPING: frozenset({_S.ENDED}),
+    _S.ENDED: frozenset({_S.REPORTED}),
+    _S.REPORTED: frozenset(),
+    _S.GAVE_UP: frozenset(),
+}
+assert set(_NEXT_STATES) == set(AttemptState), "every state needs its transitions"
+
+
+class DeclineReason(StrEnum):
+    """Why the worker declines a dispatch it has not started (``DeclineAttempt.reason``)."""
+
+    MODEL_VERSION_MISMATCH = "model_version_mismatch"  # this worker serves another version
+    QUEUE_DEADLINE = "queue_deadline"  # the dispatch waited past its queue deadline
+    NO_STREAM_TARGET = "no_stream_target"  # the dispatch names no edge inbox to stream to
+    PROMPT_UNAVAILABLE = "prompt_unavailable"  # the edge did not answer with the prompt in time
+
+
+class StopReason(StrEnum):
+    """Why a running attempt must stop (the first one wins); the engine acknowledges it with
+    ``Finished(ABORTED)``. The values are what ``AttemptTrace.stop_reason`` and the logs show."""
+
+    CANCEL = "cancel"  # StopAttempt without a fence reason, or a renewal answered cancel_requested
+    FENCED = "fenced"  # StopAttempt with a fence reason, or a renewal rejected: the epoch is not ours
+    LEASE_LOST = "lease_lost"  # no renewal confirmed within the lease: the processor fences it then
+    MAX_OUTPUT_TOKENS = "max_output_tokens"  # the request's token budget is spent: a completion
+    GENERATION_DURATION_MAX = "generation_duration_max"  # the run passed generation_duration_max_s
+    WORKER_SHUTDOWN = "worker_shutdown"  # the drain on shutdown ran out of time
+
+
+class AttemptFailure(StrEnum):
+    """Why a running attempt ended without the engine's ``Finished`` (reported as failed)."""
+
+    ABORT_NOT_ACKNOWLEDGED = "abort_not_acknowledged"  # no Finished(ABORTED) within ABORT_ACK_TIMEOUT_S
+    GENERATION_DURATION_MAX = "generation_duration_max"  # the engine step outlived the duration limit
+    ENGINE_STALLED = "engine_stalled"  # no item from the engine within engine_stall_max_s
+    ENGINE_ENDED_WITHOUT_FINISH = "engine_ended_without_finish"  # the iteration ended with no Finished
+    ENGINE_ERROR = "engine_error"  # the engine raised EngineError (its reason is logged, not reported)
+
+
+def stop_report(reason: StopReason) -> tuple[FinishOutcome, RejectionCode | None, FinishReason]:
+    """How an attempt the engine stopped for ``reason`` is reported: outcome, error code, finish reason."""
+    match reason:
+        case StopReason.CANCEL:
+            return FinishOutcome.STOPPED, None, FinishReason.CANCEL
+        case StopReason.MAX_OUTPUT_TOKENS:
+            return FinishOutcome.COMPLETED, None, FinishReason.LENGTH
+        case StopReason.FENCED:
+            return FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR, FinishReason.FENCED
+        case StopReason.LEASE_LOST:
+            return FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR, FinishReason.LEASE_LOST
+        case StopReason.GENERATION_DURATION_MAX:
+            return FinishOutcome.FAILED, RejectionCode.GENERATION_TIMEOUT, FinishReason.GENERATION_DURATION_MAX
+        case StopReason.WORKER_SHUTDOWN:
+            return FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR, FinishReason.WORKER_SHUTDOWN
+    assert_never(reason)
+
+
+def failure_report(failure: AttemptFailure) -> tuple[RejectionCode, FinishReason]:
+    """How a failed attempt is reported (outcome ``failed``): error code and finish reason."""
+    match failure:
+        case AttemptFailure.GENERATION_DURATION_MAX:
+            return RejectionCode.GENERATION_TIMEOUT, FinishReason.GENERATION_DURATION_MAX
+        case AttemptFailure.ABORT_NOT_ACKNOWLEDGED:
+            return RejectionCode.MODEL_BACKEND_ERROR, FinishReason.ABORT_NOT_ACKNOWLEDGED
+        case AttemptFailure.ENGINE_STALLED:
+            return RejectionCode.MODEL_BACKEND_ERROR, FinishReason.ENGINE_STALLED
+        case AttemptFailure.ENGINE_ENDED_WITHOUT_FINISH:
+            return RejectionCode.MODEL_BACKEND_ERROR, FinishReason.ENGINE_ENDED_WITHOUT_FINISH
+        case AttemptFailure.ENGINE_ERROR:
+            return RejectionCode.MODEL_BACKEND_ERROR, FinishReason.ENGINE_ERROR
+    assert_never(failure)
+
+
+def engine_finish_reason(reason: EngineFinishReason) -> FinishReason:
+    """The wire's finish reason for an engine's own ``Finished.reason``."""
+    match reason:
+        case EngineFinishReason.STOP:
+            return FinishReason.STOP
+        case EngineFinishReason.LENGTH:
+            return FinishReason.LENGTH
+        case EngineFinishReason.ABORTED:
+            return FinishReason.ABORTED
+    assert_never(reason)
+
+
+def keeps_result(reason: StopReason | None) -> bool:
+    """Whether the text of an attempt stopped for ``reason`` goes to the result sink: not when the
+    epoch is (or is about to be) fenced, since the processor no longer takes anything from it."""
+    match reason:
+        case (
+            None | StopReason.CANCEL | StopReason.MAX_OUTPUT_TOKENS | StopReason.GENERATION_DURATION_MAX
+            | StopReason.WORKER_SHUTDOWN
+        ):
+            return True
+        case StopReason.FENCED | StopReason.LEASE_LOST:
+            return False
+    assert_never(reason)
 
 
 @dataclass
@@ -109,7 +244,7 @@ class AttemptTrace:
 
     generation_id: str
     epoch: int
-    declined: str | None = None
+    declined: str | None = None  # a DeclineReason, "stopped_before_accept" or "not_accepted:<code>"
     accepted: bool = False
     taken_at: float = field(default_factory=time.monotonic)  # the dispatch was taken from its topic
     prompt_at: float | None = None  # the edge's PromptPayload arrived
@@ -118,7 +253,7 @@ class AttemptTrace:
     engine_started_at: float | None = None
     engine_first_token_at: float | None = None
     stop_requested_at: float | None = None
-    stop_reason: str | None = None
+    stop_reason: StopReason | None = None
     tokens_at_stop: int | None = None
     stopped_at: float | None = None  # the engine's stop acknowledgement (or its end)
     slot_freed_at: float | None = None
@@ -137,13 +272,11 @@ class _Stop:
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
-        self.reason: str | None = None
-        self.outcome = FinishOutcome.STOPPED
-        self.code: RejectionCode | None = None
+        self.reason: StopReason | None = None
 
-    def set(self, reason: str, outcome: FinishOutcome = FinishOutcome.STOPPED, code: RejectionCode | None = None) -> None:
+    def set(self, reason: StopReason) -> None:
         if self.reason is None:
-            self.reason, self.outcome, self.code = reason, outcome, code
+            self.reason = reason
             self.event.set()
 
 
@@ -171,7 +304,7 @@ class Worker:
         self,
         settings: WorkerSettings,
         engine: Engine,
-        model: RegisteredModel,
+        model: ServedModel,
         result_sink: ResultSink | None = None,
         on_trace: Callable[[AttemptTrace], None] | None = None,
     ) -> None:
@@ -193,7 +326,8 @@ class Worker:
         self.active: dict[tuple[str, int], _Stop] = {}
         self.preparing = 0  # dispatches taken, not yet accepted or declined
         self.traces: dict[tuple[str, int], AttemptTrace] = {}
-        self._fenced: collections.OrderedDict[tuple[str, int], str] = collections.OrderedDict()
+        # Attempts stopped before their dispatch was handled here, and why (bounded by FENCED_REMEMBERED_MAX).
+        self._fenced: collections.OrderedDict[tuple[str, int], StopReason] = collections.OrderedDict()
         self._decisions: dict[str, asyncio.Future[Outcome]] = {}
         self._prompts: dict[tuple[str, int], asyncio.Future[PromptPayload]] = {}
         self._token_samples: collections.deque[tuple[float, int]] = collections.deque(maxlen=TOKEN_RATE_SAMPLES_MAX)
@@ -263,7 +397,7 @@ class Worker:
         while self._tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for stop in list(self.active.values()):
-            stop.set("worker_shutdown", FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR)
+            stop.set(StopReason.WORKER_SHUTDOWN)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=ABORT_ACK_TIMEOUT_S + 5)
         for task in self._loops:
@@ -315,13 +449,10 @@ class Worker:
             if message.worker_id != self.settings.worker_id:
                 return
             key = (message.generation_id, message.epoch)
-            reason = "fenced" if message.fence_reason is not None else "cancel"
+            reason = StopReason.FENCED if message.fence_reason is not None else StopReason.CANCEL
             stop = self.active.get(key)
             if stop is not None:
-                if reason == "fenced":
-                    stop.set("fenced", FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR)
-                else:
-                    stop.set("cancel")
+                stop.set(reason)
             else:
                 self._fenced[key] = reason
                 while len(self._fenced) > FENCED_REMEMBERED_MAX:
@@ -351,12 +482,6 @@ class Worker:
                   self.settings.decision_attempts_max)
         return None
 
-    def _command(self, cls: type, d: DispatchAuthorized, **fields: Any) -> Any:
-        return cls(
-            command_id=uuid.uuid4().hex, user_id=d.user_id, issued_at_ms=now_ms(), generation_id=d.generation_id,
-            epoch=d.epoch, worker_id=self.settings.worker_id, reply_to=replace(self.control, request_id=uuid.uuid4().hex),
-            **fields,
-        )
 
     # --- dispatch consumption (pull-based, weighted paid/free) ------------------------------------
 
@@ -451,7 +576,7 @@ class Worker:
             await self._commit_pending()
 
     def _free_slot(self, trace: AttemptTrace | None) -> None:
-        """Give the attempt's slot back (once: ``_run`` frees it when the engine stopped, ``_handle``
+        """Give the attempt's slot back (once: ``_Attempt`` frees it when the engine stopped, ``_handle``
         in any case)."""
         if trace is not None:
             if trace.slot_freed_at is not None:
@@ -480,12 +605,13 @@ class Worker:
                 return
             trace = AttemptTrace(d.generation_id, d.epoch)
             self.traces[(d.generation_id, d.epoch)] = trace
-            payload = await self._prepare(d, trace)
+            attempt = _Attempt(self, d, trace)
+            accepted = await attempt.prepare()
             self.preparing -= 1
             self._commit(tp, offset)
             committed = True
-            if payload is not None:
-                await self._run(d, payload, trace)
+            if accepted:
+                await attempt.run()
         except Exception:
             log.exception("attempt failed unexpectedly")
         finally:
@@ -495,290 +621,6 @@ class Worker:
             self._free_slot(trace)
             if trace is not None and self.on_trace is not None:
                 self.on_trace(trace)
-
-    async def _decline(self, d: DispatchAuthorized, trace: AttemptTrace, reason: str) -> None:
-        trace.declined = reason
-        log.info("declining %s epoch %d: %s", d.generation_id, d.epoch, reason)
-        await self.decide(self._command(cmd.DeclineAttempt, d, reason=reason))
-
-    async def _prepare(self, d: DispatchAuthorized, trace: AttemptTrace) -> PromptPayload | None:
-        """Validate, fetch the prompt and accept. Returns the prompt once the processor accepted."""
-        assert self.producer is not None
-        key = (d.generation_id, d.epoch)
-        if not self.model.serves(d.model_version):
-            await self._decline(d, trace, "model_version_mismatch")
-            return None
-        if now_ms() > d.queue_deadline_ms:
-            await self._decline(d, trace, "queue_deadline")
-            return None
-        if key in self._fenced:
-            trace.declined = "stopped_before_accept"
-            return None  # cancelled or fenced already: the processor settled it; never accept
-        if d.stream_to is None:
-            await self._decline(d, trace, "no_stream_target")
-            return None
-        fut: asyncio.Future[PromptPayload] = asyncio.get_running_loop().create_future()
-        self._prompts[key] = fut
-        try:
-            request = PromptRequest(
-                generation_id=d.generation_id, epoch=d.epoch, worker_id=self.settings.worker_id,
-                reply_to=replace(self.control, request_id=uuid.uuid4().hex),
-            )
-            await self.producer.send_and_wait(d.stream_to.topic, encode(request), partition=d.stream_to.partition)
-            async with asyncio.timeout(self.settings.prompt_timeout_s):
-                payload = await fut
-        except TimeoutError:
-            payload = None
-        finally:
-            self._prompts.pop(key, None)
-        trace.prompt_at = time.monotonic()
-        if payload is None or not payload.found:
-            await self._decline(d, trace, "prompt_unavailable")
-            return None
-        if now_ms() > d.queue_deadline_ms:
-            await self._decline(d, trace, "queue_deadline")
-            return None
-        accept = self._command(cmd.AcceptAttempt, d)
-        outcome = await self.decide(accept)
-        if outcome is None or outcome.kind not in (OutcomeKind.APPLIED, OutcomeKind.EXISTING) or outcome.status is not RequestStatus.RUNNING:
-            trace.declined = f"not_accepted:{outcome.code.value if outcome and outcome.code else 'no_decision'}"
-            return None
-        trace.accepted = True
-        trace.accepted_at = time.monotonic()
-        trace.lease_until_ms = accept.issued_at_ms + self.settings.lease_ms
-        return payload
-
-    def _engine_request(self, d: DispatchAuthorized, payload: PromptPayload) -> EngineRequest:
-        messages = [Message("system", self.model.system_instructions)]
-        # Clients can only supply user/assistant turns; anything else is dropped here too.
-        messages += [Message(m.role, m.content) for m in payload.messages if m.role in ("user", "assistant")]
-        return EngineRequest(
-            request_id=uuid.uuid4().hex,
-            messages=tuple(messages),
-            max_output_tokens=max(1, min(d.max_output_tokens, self.settings.max_output_tokens_max)),
-        )
-
-    async def _run(self, d: DispatchAuthorized, payload: PromptPayload, trace: AttemptTrace) -> None:
-        assert self.producer is not None and d.stream_to is not None
-        key = (d.generation_id, d.epoch)
-        stop = _Stop()
-        self.active[key] = stop
-        if key in self._fenced:
-            reason = self._fenced.pop(key)
-            stop.set(*(("cancel",) if reason == "cancel" else ("fenced", FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR)))
-        progress = {"tokens": 0}
-        first_token = asyncio.Event()
-        ended = asyncio.Event()  # the attempt is over: the renewer stops even if its cancel is lost
-        renewer = asyncio.create_task(self._renew_loop(d, trace, stop, progress, ended, first_token))
-        request = self._engine_request(d, payload)
-        generation = self.engine.generate(request)
-        trace.engine_started_at = time.monotonic()
-        deadline = trace.engine_started_at + self.settings.generation_duration_max_s
-        text_parts: list[str] = []
-        sequence = 0
-        send_futures: list[asyncio.Future[Any]] = []
-        # Engine text not sent yet: the previous delta is still in flight or was sent less than the
-        # delta interval ago (WorkerSettings.delta_interval_ms, delta_coalesce_chars_max).
-        unsent: list[str] = []
-        unsent_chars = 0
-        coalesce_max = self.settings.delta_coalesce_chars_max
-        interval_s = self.settings.delta_interval_ms / 1000
-        stall_max_s = self.settings.engine_stall_max_s
-        last_sent_at = 0.0
-        item_wait_from = 0.0
-
-        async def send_delta() -> None:
-            nonlocal sequence, unsent_chars, last_sent_at
-            sequence += 1
-            text = unsent[0] if len(unsent) == 1 else "".join(unsent)
-            unsent.clear()
-            unsent_chars = 0
-            delta = TextDelta(generation_id=d.generation_id, epoch=d.epoch, sequence=sequence, index=0, text=text)
-            send_futures.append(await self.producer.send(d.stream_to.topic, encode(delta), partition=d.stream_to.partition))
-            trace.deltas_sent = sequence
-            last_sent_at = time.monotonic()
-
-        next_item: asyncio.Future[Any] | None = None
-        finished: Finished | None = None
-        failure: str | None = None
-        aborting = False
-        iterator = generation.__aiter__()
-        # One waiter for the whole attempt (not one per decode step): set when any stop reason arrives.
-        stop_wait = asyncio.ensure_future(stop.event.wait())
-        try:
-            while True:
-                if stop.event.is_set() and not aborting:
-                    aborting = True
-                    trace.stop_requested_at = trace.stop_requested_at or time.monotonic()
-                    trace.stop_reason = stop.reason
-                    trace.tokens_at_stop = progress["tokens"]
-                    await generation.abort()
-                now = time.monotonic()
-                if next_item is None:
-                    next_item = asyncio.ensure_future(iterator.__anext__())
-                    item_wait_from = now
-                if aborting:
-                    wait_s = max(0.0, trace.stop_requested_at + ABORT_ACK_TIMEOUT_S - now)
-                else:
-                    wait_s = max(0.0, min(item_wait_from + stall_max_s, deadline) - now)
-                waiters = {next_item} if aborting else {next_item, stop_wait}
-                if unsent and not aborting:
-                    # Gathered text goes out once the previous delta is acknowledged and the interval passed.
-                    if send_futures[-1].done():
-                        wait_s = min(wait_s, max(0.0, last_sent_at + interval_s - now))
-                    else:
-                        waiters.add(send_futures[-1])
-                done, _ = await asyncio.wait(waiters, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-                if unsent and not aborting and next_item not in done and stop_wait not in done:
-                    now = time.monotonic()
-                    if send_futures[-1].done() and now >= last_sent_at + interval_s:
-                        await send_delta()
-                        continue
-                    if now < min(item_wait_from + stall_max_s, deadline):
-                        continue  # woke for the gathered text, not because the engine stalled
-                if next_item not in done:
-                    if not aborting and stop_wait in done:
-                        # Stop while the engine is between steps: abort, then wait for this step's item.
-                        aborting = True
-                        trace.stop_requested_at = time.monotonic()
-                        trace.stop_reason = stop.reason
-                        trace.tokens_at_stop = progress["tokens"]
-                        await generation.abort()
-                        done, _ = await asyncio.wait({next_item}, timeout=ABORT_ACK_TIMEOUT_S)
-                        if next_item not in done:
-                            next_item.cancel()
-                            failure = "abort_not_acknowledged"
-                            break
-                    elif aborting:
-                        next_item.cancel()
-                        failure = "abort_not_acknowledged"
-                        break
-                    elif time.monotonic() >= deadline:
-                        next_item.cancel()
-                        stop.set("generation_duration_max", FinishOutcome.FAILED, RejectionCode.GENERATION_TIMEOUT)
-                        # The iterator was cancelled mid-step; abort and rebuild is not possible: end here.
-                        await generation.abort()
-                        failure = "generation_duration_max"
-                        break
-                    else:
-                        next_item.cancel()
-                        await generation.abort()
-                        failure = "engine_stalled"
-                        break
-                try:
-                    item = next_item.result()
-                    next_item = None
-                except StopAsyncIteration:
-                    failure = "engine_ended_without_finish"
-                    break
-                except EngineError as exc:
-                    failure = exc.reason
-                    break
-                if isinstance(item, Finished):
-                    finished = item
-                    break
-                assert isinstance(item, TextChunk)
-                progress["tokens"] = item.output_tokens
-                first_token.set()
-                self._token_samples.append((time.monotonic(), 1))
-                if trace.engine_first_token_at is None:
-                    trace.engine_first_token_at = time.monotonic()
-                if aborting or not item.text:
-                    continue  # after a stop nothing more reaches the client (still counted as usage)
-                text_parts.append(item.text)
-                unsent.append(item.text)
-                unsent_chars += len(item.text)
-                if (
-                    not send_futures  # the first text goes at once
-                    or unsent_chars >= coalesce_max
-                    or (send_futures[-1].done() and time.monotonic() >= last_sent_at + interval_s)
-                ):
-                    await send_delta()
-                if item.output_tokens >= request.max_output_tokens and not aborting:
-                    stop.set("max_output_tokens", FinishOutcome.COMPLETED)
-        finally:
-            stop_wait.cancel()
-            # Close the engine's iterator now (it may hold the engine's lock or a sequence slot).
-            with contextlib.suppress(Exception):
-                await iterator.aclose()
-            trace.stopped_at = time.monotonic()
-            ended.set()
-            renewer.cancel()
-            # Bounded: a renewal in flight ends within its decision timeout, and ``ended`` stops the loop.
-            await asyncio.wait({renewer}, timeout=RENEWER_STOP_TIMEOUT_S)
-            self.active.pop(key, None)
-            if finished is not None:
-                # The engine ended the sequence: its slot is free now, before the result write and
-                # the report (which wait on Cassandra and the processor, not on the engine). After a
-                # failure (an abort never acknowledged, a stall) the slot is freed only at the end.
-                self._free_slot(trace)
-        if unsent:
-            await send_delta()  # text the engine produced before it ended or was stopped
-        if send_futures:
-            with contextlib.suppress(KafkaError):
-                await asyncio.gather(*send_futures)
-        tokens = finished.output_tokens if finished is not None else progress["tokens"]
-        inputs = finished.input_tokens if finished is not None and finished.input_tokens else d.input_tokens
-        trace.output_tokens = tokens
-        if failure is not None:
-            outcome, code, reason = FinishOutcome.FAILED, stop.code or RejectionCode.MODEL_BACKEND_ERROR, failure
-            if failure == "generation_duration_max":
-                code = RejectionCode.GENERATION_TIMEOUT
-            log.warning("attempt %s epoch %d failed: %s", d.generation_id, d.epoch, failure)
-        elif finished is not None and finished.reason is FinishReason.ABORTED:
-            outcome, code, reason = stop.outcome, stop.code, stop.reason or "aborted"
-            if stop.reason == "max_output_tokens":
-                outcome, reason = FinishOutcome.COMPLETED, "length"
-        else:
-            assert finished is not None
-            outcome, code, reason = FinishOutcome.COMPLETED, None, finished.reason.value
-        trace.outcome = outcome
-        text = "".join(text_parts)
-        if stop.reason not in ("fenced", "lease_lost"):
-            await self.result_sink.put(d.generation_id, d.epoch, text, (inputs, tokens))
-        # Reported also when fenced: the processor drops it and records LateReportIgnored.
-        trace.report = await self.decide(
-            self._command(
-                cmd.ReportAttemptFinished, d, outcome=outcome, input_tokens=inputs, output_tokens=tokens,
-                finish_reason=reason[:64], error_code=code if outcome is FinishOutcome.FAILED else None,
-            )
-        )
-
-    async def _renew_loop(
-        self, d: DispatchAuthorized, trace: AttemptTrace, stop: _Stop, progress: dict[str, int], ended: asyncio.Event,
-        first_token: asyncio.Event,
-    ) -> None:
-        # The first renewal goes out as soon as the engine produced a token (at the latest after one
-        # interval): the processor's ``partial`` after a crash is "output tokens reported > 0", so a
-        # worker killed before its first periodic renewal would otherwise end as partial: false although
-        # the client already had text.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.settings.renew_interval_s):
-                await first_token.wait()
-        lease_ms = self.settings.lease_ms
-        while not stop.event.is_set() and not ended.is_set():
-            renewal = self._command(cmd.RenewLease, d, output_tokens=progress["tokens"])
-            try:
-                # Never wait for an answer past the confirmed lease: after it the processor fences us.
-                async with asyncio.timeout(max(0.0, (trace.lease_until_ms - now_ms()) / 1000)):
-                    outcome = await self.decide(renewal)
-            except TimeoutError:
-                outcome = None
-            if outcome is not None and outcome.kind in (OutcomeKind.APPLIED, OutcomeKind.CANCEL_REQUESTED):
-                trace.lease_until_ms = max(trace.lease_until_ms, renewal.issued_at_ms + lease_ms)
-            if outcome is not None and outcome.kind is OutcomeKind.CANCEL_REQUESTED:
-                stop.set("cancel")
-            elif outcome is not None and outcome.kind is OutcomeKind.REJECTED:
-                stop.set("fenced", FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR)
-            elif now_ms() >= trace.lease_until_ms:
-                # No renewal confirmed within the lease (the processor unreachable, or too slow): it
-                # fences this epoch at that deadline, so computing on is GPU time nobody gets. Stop.
-                log.warning("lease of %s epoch %d lost (no renewal confirmed): stopping", d.generation_id, d.epoch)
-                stop.set("lease_lost", FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR)
-            # No answer (None) within the lease: the next renewal tries again.
-            if stop.event.is_set() or ended.is_set():
-                return
-            await asyncio.sleep(min(self.settings.renew_interval_s, max(0.0, (trace.lease_until_ms - now_ms()) / 1000)))
 
     # --- capacity heartbeats ------------------------------------------------------------------------
 
@@ -817,3 +659,417 @@ class Worker:
                 async with asyncio.timeout(max(0.0, sent_at + self.settings.heartbeat_interval_s - time.monotonic())):
                     await self._capacity_changed.wait()
             await asyncio.sleep(max(0.0, sent_at + self.settings.heartbeat_min_interval_s - time.monotonic()))
+
+
+class _Attempt:
+    """One attempt of one dispatch on this worker, from the dispatch taken off its topic to its report.
+
+    ``state`` moves only through ``_to`` (checked against ``_NEXT_STATES``), one method per transition:
+    ``_request_prompt``, ``_request_accept``, ``_accepted``, ``_give_up``/``_decline`` before the engine
+    runs; ``_start_engine``, ``_begin_stop``, ``_on_finished``, ``_fail`` while it runs; ``_report`` after.
+    ``prepare`` and ``run`` drive them; ``_step_running`` and ``_step_stopping`` are one wait each.
+    """
+
+    # Set by _start_engine (the attempt is RUNNING from then on).
+    request: EngineRequest
+    generation: Generation
+    iterator: Any  # the generation's async iterator of TextChunk | Finished
+    deadline: float  # monotonic: the run's end at generation_duration_max_s
+    renewer: asyncio.Task[None]
+    stop_wait: asyncio.Future[Any]  # one waiter for the whole attempt, set when any stop reason arrives
+
+    def __init__(self, worker: Worker, d: DispatchAuthorized, trace: AttemptTrace) -> None:
+        self.worker, self.d, self.trace = worker, d, trace
+        self.settings = worker.settings
+        self.key = (d.generation_id, d.epoch)
+        self.state = AttemptState.TAKEN
+        self.payload: PromptPayload | None = None
+        self.stop = _Stop()
+        self.tokens = 0  # output tokens the engine reported so far
+        self.first_token = asyncio.Event()
+        self.released = False  # the engine is let go: the renewer stops even if its cancel is lost
+        self.finished: Finished | None = None  # the engine's end (ENDED without a failure)
+        self.failure: AttemptFailure | None = None  # or why the attempt ended without it
+        self.failure_detail = ""  # for the log only (an EngineError's reason: never content)
+        self.next_item: asyncio.Future[Any] | None = None  # the engine's next item, being awaited
+        self.item_wait_from = 0.0
+        self.text_parts: list[str] = []
+        # Engine text not sent yet: the previous delta is still in flight or was sent less than the
+        # delta interval ago (WorkerSettings.delta_interval_ms, delta_coalesce_chars_max).
+        self.unsent: list[str] = []
+        self.unsent_chars = 0
+        self.sequence = 0
+        self.send_futures: list[asyncio.Future[Any]] = []
+        self.last_sent_at = 0.0
+
+    def _to(self, state: AttemptState) -> None:
+        assert state in _NEXT_STATES[self.state], f"attempt {self.key}: {self.state.name} -> {state.name}"
+        self.state = state
+
+    def _command(self, cls: type, **fields: Any) -> Any:
+        d = self.d
+        return cls(
+            command_id=uuid.uuid4().hex, user_id=d.user_id, issued_at_ms=now_ms(), generation_id=d.generation_id,
+            epoch=d.epoch, worker_id=self.settings.worker_id,
+            reply_to=replace(self.worker.control, request_id=uuid.uuid4().hex), **fields,
+        )
+
+    # --- before the engine runs ---------------------------------------------------------------------
+
+    async def prepare(self) -> bool:
+        """Validate, fetch the prompt and accept: True once ACCEPTED, False when GAVE_UP."""
+        d = self.d
+        if not self.worker.model.serves(d.model_version):
+            await self._decline(DeclineReason.MODEL_VERSION_MISMATCH)
+            return False
+        if now_ms() > d.queue_deadline_ms:
+            await self._decline(DeclineReason.QUEUE_DEADLINE)
+            return False
+        if self.key in self.worker._fenced:
+            self._give_up("stopped_before_accept")  # cancelled or fenced already: the processor settled it
+            return False
+        if d.stream_to is None:
+            await self._decline(DeclineReason.NO_STREAM_TARGET)
+            return False
+        payload = await self._request_prompt(d.stream_to)
+        if payload is None or not payload.found:
+            await self._decline(DeclineReason.PROMPT_UNAVAILABLE)
+            return False
+        if now_ms() > d.queue_deadline_ms:
+            await self._decline(DeclineReason.QUEUE_DEADLINE)
+            return False
+        return await self._request_accept(payload)
+
+    async def _request_prompt(self, stream_to: ReplyTo) -> PromptPayload | None:
+        """TAKEN -> PROMPT_REQUESTED: ask the edge for the prompt; None when no answer came in time."""
+        self._to(AttemptState.PROMPT_REQUESTED)
+        w = self.worker
+        assert w.producer is not None
+        fut: asyncio.Future[PromptPayload] = asyncio.get_running_loop().create_future()
+        w._prompts[self.key] = fut
+        try:
+            request = PromptRequest(
+                generation_id=self.d.generation_id, epoch=self.d.epoch, worker_id=self.settings.worker_id,
+                reply_to=replace(w.control, request_id=uuid.uuid4().hex),
+            )
+            await w.producer.send_and_wait(stream_to.topic, encode(request), partition=stream_to.partition)
+            async with asyncio.timeout(self.settings.prompt_timeout_s):
+                payload: PromptPayload | None = await fut
+        except TimeoutError:
+            payload = None
+        finally:
+            w._prompts.pop(self.key, None)
+        self.trace.prompt_at = time.monotonic()
+        return payload
+
+    async def _request_accept(self, payload: PromptPayload) -> bool:
+        """PROMPT_REQUESTED -> ACCEPT_REQUESTED: append AcceptAttempt; then ACCEPTED or GAVE_UP."""
+        self._to(AttemptState.ACCEPT_REQUESTED)
+        accept = self._command(cmd.AcceptAttempt)
+        outcome = await self.worker.decide(accept)
+        if outcome is None or outcome.kind not in (OutcomeKind.APPLIED, OutcomeKind.EXISTING) or outcome.status is not RequestStatus.RUNNING:
+            self._give_up(f"not_accepted:{outcome.code.value if outcome and outcome.code else 'no_decision'}")
+            return False
+        self._accepted(accept, payload)
+        return True
+
+    def _accepted(self, accept: cmd.AcceptAttempt, payload: PromptPayload) -> None:
+        """ACCEPT_REQUESTED -> ACCEPTED: the processor answered running; the lease runs from the accept."""
+        self._to(AttemptState.ACCEPTED)
+        self.payload = payload
+        self.trace.accepted = True
+        self.trace.accepted_at = time.monotonic()
+        self.trace.lease_until_ms = accept.issued_at_ms + self.settings.lease_ms
+
+    def _give_up(self, why: str) -> None:
+        """TAKEN, PROMPT_REQUESTED or ACCEPT_REQUESTED -> GAVE_UP: nothing ran and nothing will."""
+        self._to(AttemptState.GAVE_UP)
+        self.trace.declined = why
+
+    async def _decline(self, reason: DeclineReason) -> None:
+        """-> GAVE_UP, telling the processor (which releases the reservation)."""
+        self._give_up(reason)
+        log.info("declining %s epoch %d: %s", self.d.generation_id, self.d.epoch, reason)
+        await self.worker.decide(self._command(cmd.DeclineAttempt, reason=reason))
+
+    # --- the engine runs ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """ACCEPTED -> RUNNING (-> STOPPING) -> ENDED -> REPORTED."""
+        self._start_engine()
+        try:
+            while True:
+                match self.state:
+                    case AttemptState.RUNNING:
+                        await self._step_running()
+                    case AttemptState.STOPPING:
+                        await self._step_stopping()
+                    case AttemptState.ENDED:
+                        break
+                    case (
+                        AttemptState.TAKEN | AttemptState.PROMPT_REQUESTED | AttemptState.ACCEPT_REQUESTED
+                        | AttemptState.ACCEPTED | AttemptState.REPORTED | AttemptState.GAVE_UP
+                    ):
+                        raise AssertionError(f"attempt {self.key}: engine loop in state {self.state.name}")
+                    case _:
+                        assert_never(self.state)
+        finally:
+            await self._release_engine()
+        await self._report()
+
+    def _start_engine(self) -> None:
+        """ACCEPTED -> RUNNING: register the stop, start the lease renewer and the engine."""
+        self._to(AttemptState.RUNNING)
+        w, d = self.worker, self.d
+        assert w.producer is not None and d.stream_to is not None and self.payload is not None
+        w.active[self.key] = self.stop
+        if self.key in w._fenced:
+            self.stop.set(w._fenced.pop(self.key))
+        self.renewer = asyncio.create_task(self._renew_lease())
+        self.request = self._engine_request(self.payload)
+        self.generation = w.engine.generate(self.request)
+        self.trace.engine_started_at = time.monotonic()
+        self.deadline = self.trace.engine_started_at + self.settings.generation_duration_max_s
+        self.iterator = self.generation.__aiter__()
+        self.stop_wait = asyncio.ensure_future(self.stop.event.wait())
+
+    def _engine_request(self, payload: PromptPayload) -> EngineRequest:
+        messages = [Message("system", self.worker.model.system_instructions)]
+        # Clients can only supply user/assistant turns; anything else is dropped here too.
+        messages += [Message(m.role, m.content) for m in payload.messages if m.role in ("user", "assistant")]
+        return EngineRequest(
+            request_id=uuid.uuid4().hex,
+            messages=tuple(messages),
+            max_output_tokens=max(1, min(self.d.max_output_tokens, self.settings.max_output_tokens_max)),
+        )
+
+    def _await_next_item(self) -> asyncio.Future[Any]:
+        if self.next_item is None:
+            self.next_item = asyncio.ensure_future(self.iterator.__anext__())
+            self.item_wait_from = time.monotonic()
+        return self.next_item
+
+    def _item_due(self) -> float:
+        """Monotonic time by which the engine's next item must arrive (stall limit, duration limit)."""
+        return min(self.item_wait_from + self.settings.engine_stall_max_s, self.deadline)
+
+    async def _step_running(self) -> None:
+        """One wait while RUNNING: for the engine's next item, a stop, or the moment gathered text may go."""
+        if self.stop.event.is_set():
+            await self._begin_stop()
+            return
+        next_item = self._await_next_item()
+        now = time.monotonic()
+        wait_s = max(0.0, self._item_due() - now)
+        waiters = {next_item, self.stop_wait}
+        interval_s = self.settings.delta_interval_ms / 1000
+        if self.unsent:
+            # Gathered text goes out once the previous delta is acknowledged and the interval passed.
+            if self.send_futures[-1].done():
+                wait_s = min(wait_s, max(0.0, self.last_sent_at + interval_s - now))
+            else:
+                waiters.add(self.send_futures[-1])
+        done, _ = await asyncio.wait(waiters, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        if next_item in done:
+            await self._on_item()
+            return
+        if self.stop_wait in done:
+            # Stop while the engine is between steps: abort, then wait (STOPPING) for this step's item.
+            await self._begin_stop()
+            return
+        if self.unsent:
+            now = time.monotonic()
+            if self.send_futures[-1].done() and now >= self.last_sent_at + interval_s:
+                await self._send_delta()
+                return
+            if now < self._item_due():
+                return  # woke for the gathered text, not because the engine stalled
+        next_item.cancel()
+        if time.monotonic() >= self.deadline:
+            self.stop.set(StopReason.GENERATION_DURATION_MAX)
+            # The iterator was cancelled mid-step; abort and rebuild is not possible: end here.
+            await self.generation.abort()
+            self._fail(AttemptFailure.GENERATION_DURATION_MAX)
+        else:
+            await self.generation.abort()
+            self._fail(AttemptFailure.ENGINE_STALLED)
+
+    async def _step_stopping(self) -> None:
+        """One wait while STOPPING: for the engine's acknowledgement (its items until then are usage only)."""
+        assert self.trace.stop_requested_at is not None
+        next_item = self._await_next_item()
+        wait_s = max(0.0, self.trace.stop_requested_at + ABORT_ACK_TIMEOUT_S - time.monotonic())
+        done, _ = await asyncio.wait({next_item}, timeout=wait_s)
+        if next_item in done:
+            await self._on_item()
+            return
+        next_item.cancel()
+        self._fail(AttemptFailure.ABORT_NOT_ACKNOWLEDGED)
+
+    async def _on_item(self) -> None:
+        """The engine's next item arrived (RUNNING or STOPPING): text, its end, or its failure."""
+        assert self.next_item is not None
+        try:
+            item = self.next_item.result()
+        except StopAsyncIteration:
+            self._fail(AttemptFailure.ENGINE_ENDED_WITHOUT_FINISH)
+            return
+        except EngineError as exc:
+            self._fail(AttemptFailure.ENGINE_ERROR, exc.reason)
+            return
+        self.next_item = None
+        if isinstance(item, Finished):
+            self._on_finished(item)
+            return
+        assert isinstance(item, TextChunk)
+        await self._on_chunk(item)
+
+    async def _on_chunk(self, chunk: TextChunk) -> None:
+        self.tokens = chunk.output_tokens
+        self.first_token.set()
+        self.worker._token_samples.append((time.monotonic(), 1))
+        if self.trace.engine_first_token_at is None:
+            self.trace.engine_first_token_at = time.monotonic()
+        if self.state is AttemptState.STOPPING or not chunk.text:
+            return  # after a stop nothing more reaches the client (still counted as usage)
+        self.text_parts.append(chunk.text)
+        self.unsent.append(chunk.text)
+        self.unsent_chars += len(chunk.text)
+        if (
+            not self.send_futures  # the first text goes at once
+            or self.unsent_chars >= self.settings.delta_coalesce_chars_max
+            or (
+                self.send_futures[-1].done()
+                and time.monotonic() >= self.last_sent_at + self.settings.delta_interval_ms / 1000
+            )
+        ):
+            await self._send_delta()
+        if chunk.output_tokens >= self.request.max_output_tokens:
+            self.stop.set(StopReason.MAX_OUTPUT_TOKENS)
+
+    async def _send_delta(self) -> None:
+        assert self.worker.producer is not None and self.d.stream_to is not None
+        self.sequence += 1
+        text = self.unsent[0] if len(self.unsent) == 1 else "".join(self.unsent)
+        self.unsent.clear()
+        self.unsent_chars = 0
+        delta = TextDelta(generation_id=self.d.generation_id, epoch=self.d.epoch, sequence=self.sequence, index=0, text=text)
+        stream_to = self.d.stream_to
+        self.send_futures.append(
+            await self.worker.producer.send(stream_to.topic, encode(delta), partition=stream_to.partition)
+        )
+        self.trace.deltas_sent = self.sequence
+        self.last_sent_at = time.monotonic()
+
+    async def _begin_stop(self) -> None:
+        """RUNNING -> STOPPING: ask the engine to abort; its Finished(ABORTED) acknowledges the stop."""
+        self._to(AttemptState.STOPPING)
+        self.trace.stop_requested_at = self.trace.stop_requested_at or time.monotonic()
+        self.trace.stop_reason = self.stop.reason
+        self.trace.tokens_at_stop = self.tokens
+        await self.generation.abort()
+
+    def _on_finished(self, finished: Finished) -> None:
+        """RUNNING or STOPPING -> ENDED: the engine ended the sequence (by itself or acknowledging a stop)."""
+        self._to(AttemptState.ENDED)
+        self.finished = finished
+
+    def _fail(self, failure: AttemptFailure, detail: str = "") -> None:
+        """RUNNING or STOPPING -> ENDED without the engine's Finished."""
+        self._to(AttemptState.ENDED)
+        self.failure, self.failure_detail = failure, detail or failure.value
+
+    async def _release_engine(self) -> None:
+        """Let the engine and the renewer go (also when the loop raised)."""
+        self.stop_wait.cancel()
+        # Close the engine's iterator now (it may hold the engine's lock or a sequence slot).
+        with contextlib.suppress(Exception):
+            await self.iterator.aclose()
+        self.trace.stopped_at = time.monotonic()
+        self.released = True
+        self.renewer.cancel()
+        # Bounded: a renewal in flight ends within its decision timeout, and ``released`` stops the loop.
+        await asyncio.wait({self.renewer}, timeout=RENEWER_STOP_TIMEOUT_S)
+        self.worker.active.pop(self.key, None)
+        if self.finished is not None:
+            # The engine ended the sequence: its slot is free now, before the result write and
+            # the report (which wait on Cassandra and the processor, not on the engine). After a
+            # failure (an abort never acknowledged, a stall) the slot is freed only at the end.
+            self.worker._free_slot(self.trace)
+
+    def _reported(self) -> tuple[FinishOutcome, RejectionCode | None, FinishReason]:
+        """Outcome, error code (failed only) and finish reason of the ENDED attempt."""
+        if self.failure is not None:
+            code, reason = failure_report(self.failure)
+            return FinishOutcome.FAILED, code, reason
+        assert self.finished is not None
+        match self.finished.reason:
+            case EngineFinishReason.ABORTED:
+                if self.stop.reason is None:
+                    return FinishOutcome.STOPPED, None, FinishReason.ABORTED  # an abort nobody here asked for
+                return stop_report(self.stop.reason)
+            case EngineFinishReason.STOP | EngineFinishReason.LENGTH:
+                return FinishOutcome.COMPLETED, None, engine_finish_reason(self.finished.reason)
+        assert_never(self.finished.reason)
+
+    async def _report(self) -> None:
+        """ENDED -> REPORTED: the last text, the result, then ReportAttemptFinished with usage."""
+        d, trace = self.d, self.trace
+        if self.unsent:
+            await self._send_delta()  # text the engine produced before it ended or was stopped
+        if self.send_futures:
+            with contextlib.suppress(KafkaError):
+                await asyncio.gather(*self.send_futures)
+        finished = self.finished
+        tokens = finished.output_tokens if finished is not None else self.tokens
+        inputs = finished.input_tokens if finished is not None and finished.input_tokens else d.input_tokens
+        trace.output_tokens = tokens
+        if self.failure is not None:
+            log.warning("attempt %s epoch %d failed: %s", d.generation_id, d.epoch, self.failure_detail)
+        outcome, code, reason = self._reported()
+        trace.outcome = outcome
+        if keeps_result(self.stop.reason):
+            await self.worker.result_sink.put(d.generation_id, d.epoch, "".join(self.text_parts), (inputs, tokens))
+        # Reported also when fenced: the processor drops it and records LateReportIgnored.
+        trace.report = await self.worker.decide(
+            self._command(
+                cmd.ReportAttemptFinished, outcome=outcome, input_tokens=inputs, output_tokens=tokens,
+                finish_reason=reason, error_code=code if outcome is FinishOutcome.FAILED else None,
+            )
+        )
+        self._to(AttemptState.REPORTED)
+
+    async def _renew_lease(self) -> None:
+        """While RUNNING or STOPPING: renew the lease; a renewal's answer or the lease's end may stop it."""
+        d, trace, stop = self.d, self.trace, self.stop
+        # The first renewal goes out as soon as the engine produced a token (at the latest after one
+        # interval): the processor's ``partial`` after a crash is "output tokens reported > 0", so a
+        # worker killed before its first periodic renewal would otherwise end as partial: false although
+        # the client already had text.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.settings.renew_interval_s):
+                await self.first_token.wait()
+        lease_ms = self.settings.lease_ms
+        while not stop.event.is_set() and not self.released:
+            renewal = self._command(cmd.RenewLease, output_tokens=self.tokens)
+            try:
+                # Never wait for an answer past the confirmed lease: after it the processor fences us.
+                async with asyncio.timeout(max(0.0, (trace.lease_until_ms - now_ms()) / 1000)):
+                    outcome = await self.worker.decide(renewal)
+            except TimeoutError:
+                outcome = None
+            if outcome is not None and outcome.kind in (OutcomeKind.APPLIED, OutcomeKind.CANCEL_REQUESTED):
+                trace.lease_until_ms = max(trace.lease_until_ms, renewal.issued_at_ms + lease_ms)
+            if outcome is not None and outcome.kind is OutcomeKind.CANCEL_REQUESTED:
+                stop.set(StopReason.CANCEL)
+            elif outcome is not None and outcome.kind is OutcomeKind.REJECTED:
+                stop.set(StopReason.FENCED)
+            elif now_ms() >= trace.lease_until_ms:
+                # No renewal confirmed within the lease (the processor unreachable, or too slow): it
+                # fences this epoch at that deadline, so computing on is GPU time nobody gets. Stop.
+                log.warning("lease of %s epoch %d lost (no renewal confirmed): stopping", d.generation_id, d.epoch)
+                stop.set(StopReason.LEASE_LOST)
+            # No answer (None) within the lease: the next renewal tries again.
+            if stop.event.is_set() or self.released:
+                return
+            await asyncio.sleep(min(self.settings.renew_interval_s, max(0.0, (trace.lease_until_ms - now_ms()) / 1000)))

@@ -21,6 +21,7 @@ from schemas import commands as cmd
 from schemas.messages import OutcomeKind, WorkerHeartbeat
 from schemas.topics import Topology
 from schemas.wire import decode_message
+from tests.doubles import MemoryResultSink
 from tests.integration.ledger_harness import wait_until_deciding
 from tests.integration.test_edge_harness import edge_settings, serve_edge
 from tests.integration.workers_harness import (
@@ -32,7 +33,7 @@ from tests.integration.workers_harness import (
     worker_settings,
 )
 from workers.engines.sim import SimConfig, SimulatedEngine
-from workers.worker import MemoryResultSink, MissingTopics, Worker
+from workers.worker import MissingTopics, Worker
 
 pytestmark = pytest.mark.integration
 

@@ -20,6 +20,9 @@ from typing import Protocol, runtime_checkable
 
 
 class FinishReason(StrEnum):
+    """How the engine ended a sequence; the worker maps it onto the wire's closed
+    ``schemas.codes.FinishReason`` (``workers.worker.engine_finish_reason``)."""
+
     STOP = "stop"  # the model ended its answer
     LENGTH = "length"  # max_output_tokens reached
     ABORTED = "aborted"  # the engine acknowledged an abort
