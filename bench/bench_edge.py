@@ -42,7 +42,7 @@ import httpx  # noqa: E402
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # noqa: E402
 
 from projections.shared.command_client import CommandClient  # noqa: E402
-from projections.shared.kafka_admin import delete_topics, ensure_topics  # noqa: E402
+from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
 from schemas.codes import Tier  # noqa: E402
 from schemas.commands import SubmitGeneration  # noqa: E402
 from schemas.messages import TextDelta  # noqa: E402
@@ -86,7 +86,7 @@ def rss_bytes(pid: int) -> int:
 @contextlib.asynccontextmanager
 async def stack(bootstrap: str, **env: str):
     topology = Topology(f"bench{uuid.uuid4().hex[:8]}")
-    await ensure_topics(bootstrap, topology.all())
+    await ensure_topics(bootstrap, deployment_topics(topology))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-edge-"))
     processor = ProcessorProcess(bootstrap, topology.namespace, log_dir, **env)
     edge = EdgeProcess(bootstrap, topology, log_dir, **env)
@@ -99,7 +99,7 @@ async def stack(bootstrap: str, **env: str):
     finally:
         edge.stop()
         processor.stop()
-        await delete_topics(bootstrap, [s.name for s in topology.all()])
+        await delete_topics(bootstrap, [s.name for s in deployment_topics(topology)])
         print(f"  (logs in {log_dir})")
 
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from control_plane.decide import generation_id_for  # noqa: E402
 from projections.shared.command_client import CommandClient  # noqa: E402
-from projections.shared.kafka_admin import delete_topics, ensure_topics  # noqa: E402
+from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
 from projections.shared.settings import policy_from_env  # noqa: E402
 from schemas import commands as cmd  # noqa: E402
 from schemas.codes import FinishOutcome, Tier  # noqa: E402
@@ -116,7 +116,7 @@ async def count_inbox(bootstrap: str, topology: Topology, partition: int, expect
 
 async def throughput(bootstrap: str, n: int, tmp: Path) -> float:
     topology = Topology(f"bench{uuid.uuid4().hex[:8]}")
-    await ensure_topics(bootstrap, topology.all())
+    await ensure_topics(bootstrap, deployment_topics(topology))
     try:
         reply = ReplyTo(topic=topology.edge_inbox.name, partition=1, request_id="bench")
         commands = mixed_commands(n, users=max(50, n // 60), reply=reply, t0_ms=int(time.time() * 1000))
@@ -140,7 +140,7 @@ async def throughput(bootstrap: str, n: int, tmp: Path) -> float:
               f"(first decision {first - started:.1f} s after start) -> {rate:,.0f} commands/s (target >= 2,000/s)")
         return rate
     finally:
-        await delete_topics(bootstrap, [s.name for s in topology.all()])
+        await delete_topics(bootstrap, [s.name for s in deployment_topics(topology)])
 
 
 async def floor_round_trip(bootstrap: str, rate: float, seconds: float) -> list[float]:
@@ -193,7 +193,7 @@ async def latency(bootstrap: str, rate: float, seconds: float, tmp: Path, expiry
     policy = policy_from_env()
     floor = await floor_round_trip(bootstrap, rate, seconds)
     topology = Topology(f"lat{uuid.uuid4().hex[:8]}")
-    await ensure_topics(bootstrap, topology.all())
+    await ensure_topics(bootstrap, deployment_topics(topology))
     # No worker accepts here and the concurrency limit is lifted, so every admitted attempt stays
     # queued (in its user's hot value) until its queue deadline, then the timer fences them all: a
     # wave no deployment sees unless its workers stop accepting while admission goes on. By default
@@ -234,7 +234,7 @@ async def latency(bootstrap: str, rate: float, seconds: float, tmp: Path, expiry
             print("slowest decisions (sent at s, took ms):", [(round(a, 2), round(b * 1000)) for a, b in worst])
     finally:
         p.stop()
-        await delete_topics(bootstrap, [s.name for s in topology.all()])
+        await delete_topics(bootstrap, [s.name for s in deployment_topics(topology)])
     f50, f99 = pct(floor, 50) * 1000, pct(floor, 99) * 1000
     l50, l99 = pct(latencies, 50) * 1000, pct(latencies, 99) * 1000
     print(f"floor (bare aiokafka produce->consume) at {rate:.0f}/s: p50 {f50:.1f} ms, p99 {f99:.1f} ms ({len(floor)} messages)")
@@ -254,7 +254,7 @@ async def latency(bootstrap: str, rate: float, seconds: float, tmp: Path, expiry
 
 async def recovery(bootstrap: str, users: int, tmp: Path) -> None:
     topology = Topology(f"rec{uuid.uuid4().hex[:8]}")
-    await ensure_topics(bootstrap, topology.all())
+    await ensure_topics(bootstrap, deployment_topics(topology))
     reply = ReplyTo(topic=topology.edge_inbox.name, partition=3, request_id="bench")
     now = int(time.time() * 1000)
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20)
@@ -294,7 +294,7 @@ async def recovery(bootstrap: str, users: int, tmp: Path) -> None:
               f"({outcome.kind.value})")
     finally:
         p.stop()
-        await delete_topics(bootstrap, [s.name for s in topology.all()])
+        await delete_topics(bootstrap, [s.name for s in deployment_topics(topology)])
 
 
 async def main() -> None:

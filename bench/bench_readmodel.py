@@ -51,7 +51,7 @@ from aiokafka import AIOKafkaProducer, TopicPartition  # noqa: E402
 from aiokafka.admin import AIOKafkaAdminClient  # noqa: E402
 
 from projections.shared.cassandra import execute  # noqa: E402
-from projections.shared.kafka_admin import delete_topics, ensure_topics  # noqa: E402
+from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
 from projections.readmodel.queries import GenerationReader  # noqa: E402
 from projections.readmodel.writer import WRITES_IN_FLIGHT_MAX  # noqa: E402
 from projections.readmodel.schema import ReadModelSettings, close_cluster, ensure_schema, open_session, prepare  # noqa: E402
@@ -507,7 +507,7 @@ async def main() -> None:
     settings = ReadModelSettings(hosts=tuple(args.cassandra_hosts.split(",")), port=args.cassandra_port,
                                  keyspace=f"bench_rm_{tag}")
     print(f"namespace {topology.namespace}, keyspace {settings.keyspace}; machine shared, figures noisy")
-    await ensure_topics(args.bootstrap, topology.all())
+    await ensure_topics(args.bootstrap, deployment_topics(topology))
     cluster, session = await open_session(settings)
     proj: ProjectionProcess | None = None
     try:
@@ -527,7 +527,7 @@ async def main() -> None:
         with contextlib.suppress(Exception):
             await execute(session, f"DROP KEYSPACE IF EXISTS {settings.keyspace}", timeout_s=120)
         await close_cluster(cluster)
-        await delete_topics(args.bootstrap, [s.name for s in topology.all()])
+        await delete_topics(args.bootstrap, [s.name for s in deployment_topics(topology)])
         print(f"cleaned up: dropped keyspace {settings.keyspace}, deleted the {topology.namespace}.* topics")
 
 

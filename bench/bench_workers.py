@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import statistics
 import sys
 import tempfile
@@ -34,10 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from projections.shared.command_client import CommandClient  # noqa: E402
-from projections.shared.kafka_admin import delete_topics, ensure_topics  # noqa: E402
+from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
 from schemas.codes import RequestStatus  # noqa: E402
 from schemas.topics import Topology  # noqa: E402
 from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding  # noqa: E402
+from tests.models import CPU_ALIAS, TEST_CATALOG_PATH  # noqa: E402
+
+# The processor subprocess and the workers read the tests' catalog (the simulator's alias is not in the default).
+os.environ.setdefault("CHATPLANE_MODEL_CATALOG", str(TEST_CATALOG_PATH))
 from tests.integration.workers_harness import TestEdge, served, worker_settings  # noqa: E402
 from workers.engines.cpu import CPU_THREADS, cpu_runtime_missing_reason  # noqa: E402
 from workers.engines.sim import SimConfig, SimulatedEngine  # noqa: E402
@@ -60,7 +65,7 @@ def line(name: str, values_s: list[float]) -> str:
 
 async def ttft_under_load(bootstrap: str, topo: Topology, edge: TestEdge, concurrency: int, inter_token_ms: float) -> None:
     cfg = SimConfig(ttft_ms=50, inter_token_ms=inter_token_ms, jitter_ms=2, output_tokens=32, max_concurrent=max(128, concurrency))
-    async with Worker(worker_settings(bootstrap, topo, slots=concurrency), SimulatedEngine(cfg), served("sim")) as worker:
+    async with Worker(worker_settings(bootstrap, topo, slots=concurrency), SimulatedEngine(cfg), served()) as worker:
         await asyncio.sleep(3)  # the worker joins its consumer group
         users = [f"bench-{uuid.uuid4().hex[:8]}" for _ in range(concurrency)]
         sent: dict[str, float] = {}
@@ -148,7 +153,7 @@ async def ttft_steady(
         {"delta_coalesce_chars_max": 0} if delta_interval_ms is None else {"delta_interval_ms": delta_interval_ms}
     )
     settings = worker_settings(bootstrap, topo, slots=in_flight * 2, renew_interval_s=3.0, **deltas_kw)
-    async with Worker(settings, SimulatedEngine(cfg), served("sim")) as worker:
+    async with Worker(settings, SimulatedEngine(cfg), served()) as worker:
         await asyncio.sleep(3)
         duration_s = (cfg.ttft_ms + cfg.output_tokens * cfg.inter_token_ms) / 1000
         interval_s = duration_s / in_flight
@@ -184,17 +189,19 @@ async def ttft_steady(
 async def cancel_latency(bootstrap: str, topo: Topology, edge: TestEdge, engine_name: str, runs: int, worker_kw: dict) -> None:
     if engine_name == "sim":
         engine = SimulatedEngine(SimConfig(ttft_ms=20, inter_token_ms=20, jitter_ms=2, output_tokens=5000))
-        model, prompt = served("sim"), "hello"
+        model, prompt = served(), "hello"
     else:
         from workers.engines.cpu import CpuEngine
 
-        engine, model, prompt = CpuEngine(), served("cpu"), "Write a very long story about a dragon and a knight."
-    async with Worker(worker_settings(bootstrap, topo, **worker_kw), engine, model) as worker:
+        model, prompt = served(CPU_ALIAS), "Write a very long story about a dragon and a knight."
+        engine = CpuEngine(model.verify_weights(), context_tokens=model.context_tokens)
+    settings = worker_settings(bootstrap, topo, model_alias=model.alias, **worker_kw)
+    async with Worker(settings, engine, model) as worker:
         await asyncio.sleep(3)
         lat, after = [], []
         for _ in range(runs):
             u = f"bench-{uuid.uuid4().hex[:8]}"
-            gid = await edge.submit(u, prompt, max_output_tokens=2000)
+            gid = await edge.submit(u, prompt, max_output_tokens=2000, model_alias=model.alias)
             await edge.wait_for(lambda: len(edge.deltas[gid]) >= 5, WAIT_S, "5 deltas")
             t0 = time.monotonic()
             await edge.cancel(u, gid)
@@ -211,7 +218,9 @@ async def cancel_latency(bootstrap: str, topo: Topology, edge: TestEdge, engine_
 async def cpu_speed(bootstrap: str, topo: Topology, edge: TestEdge, runs: int) -> None:
     from workers.engines.cpu import CpuEngine
 
-    async with Worker(worker_settings(bootstrap, topo, slots=1), CpuEngine(), served("cpu")) as worker:
+    model = served(CPU_ALIAS)
+    engine = CpuEngine(model.verify_weights(), context_tokens=model.context_tokens)
+    async with Worker(worker_settings(bootstrap, topo, slots=1, model_alias=model.alias), engine, model) as worker:
         await asyncio.sleep(3)
         ttft, tps, client = [], [], []
         sample = ""
@@ -221,7 +230,7 @@ async def cpu_speed(bootstrap: str, topo: Topology, edge: TestEdge, runs: int) -
             # A different prompt each run: llama.cpp reuses the KV of a repeated prompt's common prefix,
             # which would make every run after the first skip most of its prompt evaluation.
             prompt = "Name three colors." if i == 0 else f"Name three colors. This is question {i + 1}."
-            gid = await edge.submit(u, prompt, max_output_tokens=128)
+            gid = await edge.submit(u, prompt, max_output_tokens=128, model_alias=model.alias)
             final = await edge.wait_finalized(gid, WAIT_S)
             tr = worker.traces[(gid, 1)]
             ttft.append(tr.engine_first_token_at - tr.engine_started_at)
@@ -254,7 +263,7 @@ async def main() -> None:
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     topo = Topology(f"bw{uuid.uuid4().hex[:8]}")
-    await ensure_topics(args.bootstrap, topo.all())
+    await ensure_topics(args.bootstrap, deployment_topics(topo))
     proc = ProcessorProcess(args.bootstrap, topo.namespace, Path(tempfile.mkdtemp(prefix="bench-workers-")),
                             CHATPLANE_QUOTA_FREE_PER_WINDOW=10_000)
     proc.start()
@@ -282,7 +291,7 @@ async def main() -> None:
                 await cancel_latency(args.bootstrap, topo, edge, "cpu", args.cpu_runs, {"slots": 1})
     finally:
         proc.stop()
-        await delete_topics(args.bootstrap, [s.name for s in topo.all()])
+        await delete_topics(args.bootstrap, [s.name for s in deployment_topics(topo)])
 
 
 if __name__ == "__main__":

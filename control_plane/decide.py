@@ -144,6 +144,11 @@ def _submit(state: UserLedger, c: SubmitGeneration, policy: Policy, out: _Emitte
     return _admit(state, c, policy, out, generation_id, model.version, model.pool, epoch=1, created=True)
 
 
+def _pool_serving(policy: Policy, model_version: str) -> str | None:
+    """The pool of the catalog's model with this exact version (records written before events named it)."""
+    return next((m.pool for m in policy.models.values() if m.version == model_version), None)
+
+
 def _resubmit(state: UserLedger, record: RequestRecord, c: SubmitGeneration, policy: Policy, out: _Emitter) -> Decision:
     if record.fingerprint != c.fingerprint:
         return out.reject(RejectionCode.IDEMPOTENCY_CONFLICT)
@@ -162,9 +167,10 @@ def _resubmit(state: UserLedger, record: RequestRecord, c: SubmitGeneration, pol
     if status is RequestStatus.ADMISSION_RETRYABLE:
         # Proven never started (or never dispatched): a fresh reservation under the current window,
         # the same generation id, the model version resolved at first admission, the next epoch.
-        return _admit(
-            state, c, policy, out, record.generation_id, record.model_version, record.pool, record.epoch + 1, created=False
-        )
+        pool = record.pool or _pool_serving(policy, record.model_version)
+        if pool is None:  # a v1 record whose version no model of the catalog serves any more
+            return out.reject(RejectionCode.INVALID_REQUEST, record, details=RejectionDetails(field="model"))
+        return _admit(state, c, policy, out, record.generation_id, record.model_version, pool, record.epoch + 1, created=False)
     # CANCELLED or FAILED: the terminal generation is never restarted by its key.
     return out.decision(OutcomeKind.EXISTING, record, status=status, code=record.code)
 
@@ -203,6 +209,7 @@ def _admit(
             fingerprint=c.fingerprint,
             model_alias=c.model_alias,
             model_version=model_version,
+            pool=pool,
             tier=c.tier,
             code=code,
             status=status,

@@ -107,7 +107,7 @@ def _rejected(state: UserLedger, e: ev.AdmissionRejected) -> UserLedger:
         generation_id=e.generation_id,
         model_alias=e.model_alias,
         model_version=e.model_version,
-        pool=previous.pool if previous else "default",
+        pool=e.pool or (previous.pool if previous else ""),
         tier=e.tier,
         stream=previous.stream if previous else False,
         max_output_tokens=previous.max_output_tokens if previous else 0,

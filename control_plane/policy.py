@@ -1,4 +1,4 @@
-"""Admission policy and the model catalog: the configuration ``decide`` is a pure function of.
+"""Admission policy and the models it admits: the configuration ``decide`` is a pure function of.
 
 Every limit is a named value with its unit in the name (DESIGN section 7). The processor builds one
 ``Policy`` at start-up from settings; the core never reads the environment.
@@ -20,7 +20,7 @@ class ModelEntry:
 
     alias: str
     version: str  # e.g. "smollm2-135m-instruct-q4_1@sha256:<digest>"
-    pool: str = "default"
+    pool: str
     tiers: frozenset[Tier] = frozenset({Tier.FREE, Tier.PAID})
 
 
@@ -39,11 +39,9 @@ class Policy:
     result_ttl_ms: int = 1 * HOUR_MS  # the result store's content TTL
     dedup_records_per_user_max: int = 2_048  # beyond this the oldest settled records are purged early
     max_output_tokens_max: int = 4_096
-    models: dict[str, ModelEntry] = field(
-        default_factory=lambda: {
-            "fast-text-model": ModelEntry("fast-text-model", "smollm2-135m-instruct-q4_1"),
-        }
-    )
+    # The model catalog's core view (alias -> version, pool, tiers). Empty here: the processes fill it
+    # from the one catalog file (projections.shared.catalog), tests and the simulator from their own.
+    models: dict[str, ModelEntry] = field(default_factory=dict)
 
     def quota_limit(self, tier: Tier) -> int:
         return self.quota_limit_by_tier[tier]

@@ -37,6 +37,7 @@ from edge.routes import generations
 from edge.settings import EdgeSettings
 from edge.streams import GenerationView, StreamHub
 from edge.tokens import input_token_counter
+from projections.shared.catalog import load_catalog
 from projections.shared.command_client import CommandClient
 from projections.shared.gc_tuning import tune_gc
 from schemas.codes import RequestStatus
@@ -65,7 +66,8 @@ class Edge:
         )
         self.hub = StreamHub(settings, self.metrics)
         self.capacity = CapacityView(settings.heartbeat_stale_ms, settings.generation_service_ms_estimate)
-        self.count_tokens = input_token_counter()
+        self.catalog = load_catalog()
+        self.count_tokens = input_token_counter(self.catalog)
         self.client: Any = None
         self.ready = False
         self._capacity_reader: CapacityReader | None = None

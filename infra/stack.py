@@ -6,7 +6,7 @@ Usage (normally through the wrappers beside this file)::
 
     stack.py kafka-start | kafka-stop | cassandra-start | cassandra-stop
     stack.py wait kafka|cassandra [--timeout S]
-    stack.py create-topics            # every topic of schemas.topics.all_topics() + the keyspace
+    stack.py create-topics            # every topic (catalog pools included) + the keyspace and tables
                                       # (CHATPLANE_NAMESPACE=ns: the topics of Topology(ns) instead)
     stack.py status
 
@@ -682,94 +682,37 @@ def cassandra_start(cfg: Config) -> None:
 # --------------------------------------------------------------------------------------------
 # topics and keyspace
 
-TOPIC_ALREADY_EXISTS = 36
-CREATE_TOPICS_TIMEOUT_MS = 30000
-
-
 def create_topics(cfg: Config) -> None:
+    """Every topic of the deployment (the catalog's pools included) and the keyspace with its tables,
+    through the one path the processes and the tests use (``projections.shared.kafka_admin.ensure_topics``,
+    ``projections.readmodel.schema.ensure_schema``); idempotent."""
     sys.path.insert(0, str(ROOT))
+    from projections.readmodel.schema import ReadModelSettings, close_cluster, ensure_schema, open_session
+    from projections.shared.catalog import CatalogError
+    from projections.shared.kafka_admin import TopologyError, deployment_topics, ensure_topics
     from schemas import topics as T  # noqa: N812
-
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-
-    from projections.shared.kafka_admin import wait_topics_ready
 
     # CHATPLANE_NAMESPACE (as the processes read it) prefixes every topic: isolated deployments
     # (such as a test) share one cluster.
-    namespace = os.environ.get("CHATPLANE_NAMESPACE", "")
-    if namespace:
-        specs = T.Topology(namespace).all()
-    else:
-        specs = T.all_topics()
+    try:
+        specs = deployment_topics(T.Topology(os.environ.get("CHATPLANE_NAMESPACE", "")))
+    except CatalogError as exc:
+        raise InfraError(str(exc)) from None
 
     async def go() -> None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap, request_timeout_ms=CREATE_TOPICS_TIMEOUT_MS)
-        await admin.start()
+        await ensure_topics(cfg.kafka_bootstrap, specs, cfg.kafka_replication, report=say)
+        settings = ReadModelSettings(hosts=cfg.cassandra_hosts, port=cfg.cassandra_port, replication_factor=cfg.cassandra_rf)
+        cluster, session = await open_session(settings)
         try:
-            existing = {t["topic"]: t for t in await admin.describe_topics()}
-            missing = [s for s in specs if s.name not in existing]
-            if missing:
-                resp = await admin.create_topics(
-                    [
-                        NewTopic(
-                            s.name,
-                            s.partitions,
-                            cfg.kafka_replication,
-                            topic_configs=s.configs(),
-                        )
-                        for s in missing
-                    ],
-                    timeout_ms=CREATE_TOPICS_TIMEOUT_MS,
-                )
-                for err in resp.topic_errors:
-                    name, code = err[0], err[1]
-                    if code not in (0, TOPIC_ALREADY_EXISTS):
-                        raise InfraError(f"creating topic {name} failed: error code {code} {err[2:] or ''}")
-                await wait_topics_ready(admin, {s.name: s.partitions for s in missing})
-                for s in missing:
-                    say(f"topic {s.name}: created ({s.partitions} partitions, retention.ms={s.retention_ms})")
-            for s in specs:
-                if s.name in existing:
-                    have = len(existing[s.name]["partitions"])
-                    if have != s.partitions:
-                        raise InfraError(
-                            f"topic {s.name} exists with {have} partitions, schema says {s.partitions}: "
-                            "partition counts are schema, fix the cluster by hand"
-                        )
-                    # Keep retention in line with the schema (idempotent).
-                    responses = await admin.alter_configs(
-                        [
-                            ConfigResource(
-                                ConfigResourceType.TOPIC,
-                                s.name,
-                                configs=s.configs(),
-                            )
-                        ]
-                    )
-                    for r in responses:
-                        for res in r.to_object()["resources"]:
-                            if res["error_code"] != 0:
-                                raise InfraError(
-                                    f"setting configs of topic {s.name} failed: error code {res['error_code']} "
-                                    f"{res.get('error_message') or ''}"
-                                )
-                    say(f"topic {s.name}: exists ({have} partitions), retention.ms={s.retention_ms}")
+            await ensure_schema(session, settings)
         finally:
-            await admin.close()
+            await close_cluster(cluster)
+        say(f"keyspace {settings.keyspace}: present with its tables (SimpleStrategy, RF {cfg.cassandra_rf})")
 
-    asyncio.run(go())
-
-    cluster = cql_cluster(cfg.cassandra_hosts, cfg.cassandra_port)
     try:
-        session = cluster.connect()
-        session.execute(
-            f"CREATE KEYSPACE IF NOT EXISTS {T.KEYSPACE} WITH replication = "
-            f"{{'class': 'SimpleStrategy', 'replication_factor': {cfg.cassandra_rf}}}"
-        )
-        say(f"keyspace {T.KEYSPACE}: present (SimpleStrategy, RF {cfg.cassandra_rf})")
-    finally:
-        cluster.shutdown()
+        asyncio.run(go())
+    except TopologyError as exc:
+        raise InfraError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------------------------

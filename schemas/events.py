@@ -70,10 +70,14 @@ class AdmissionRejected(_EventBase):
     """A request was refused holding nothing; the key is retained with ``status`` (retryable or not)."""
 
     type: Literal["AdmissionRejected"] = "AdmissionRejected"
+    # v2 added pool: a retryable refusal is re-admitted on a same-key retry, into the pool of the version
+    # resolved here (v1 readers assumed the one pool "default"; v1 records upcast to "").
+    schema_version: int = 2
     idempotency_key: str
     fingerprint: str
     model_alias: str
     model_version: str
+    pool: str
     tier: Tier
     code: RejectionCode
     status: RequestStatus

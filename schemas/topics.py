@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Partition counts. COMMANDS and LEDGER (and the processor's changelog) must have the same count:
@@ -87,8 +88,8 @@ DEAD_LETTER = TopicSpec(
     "chatplane.dead-letter", DEAD_LETTER_PARTITIONS, 14 * DAY_MS, segment_ms=FINGERPRINT_SEGMENT_MS
 )
 
-# Model pools and tiers: one dispatch topic per (pool, tier).
-POOLS = ("default",)
+# Tiers: one dispatch topic per (pool, tier); the pools are the model catalog's
+# (projections.shared.catalog), one per model version unless the catalog says otherwise.
 TIERS = ("paid", "free")
 
 
@@ -101,11 +102,6 @@ def dispatch_topic(pool: str, tier: str) -> TopicSpec:
 # "<app id>-<table>-changelog", and it must also have USER_PARTITIONS partitions.
 PROCESSOR_APP_ID = "chatplane-admission"
 USER_TO_LEDGER_TABLE = "user_to_ledger"
-
-
-def all_topics() -> tuple[TopicSpec, ...]:
-    """Every topic of the default deployment, created explicitly (never by broker auto-creation)."""
-    return Topology().all()
 
 
 def worker_control_partition(worker_id: str) -> int:
@@ -178,8 +174,10 @@ class Topology:
             max_compaction_lag_ms=CHANGELOG_MAX_COMPACTION_LAG_MS,
         )
 
-    def all(self) -> tuple[TopicSpec, ...]:
-        dispatch = tuple(self.dispatch(p, t) for p in POOLS for t in TIERS)
+    def all(self, pools: Iterable[str]) -> tuple[TopicSpec, ...]:
+        """Every topic of this deployment for the catalog's ``pools``, created explicitly (never by
+        broker auto-creation): ``projections.shared.kafka_admin.deployment_topics``."""
+        dispatch = tuple(self.dispatch(p, t) for p in sorted(set(pools)) for t in TIERS)
         return (
             self.commands,
             self.ledger,

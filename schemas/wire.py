@@ -63,6 +63,13 @@ def _admitted_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+@upcaster("AdmissionRejected", 1)
+def _rejected_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
+    # Unknown for v1 records: a same-key retry resolves the pool from the current catalog (decide).
+    doc.setdefault("pool", "")
+    return doc
+
+
 def _union(types: tuple[type, ...]) -> TypeAdapter[Any]:
     return TypeAdapter(Annotated[Union[types], Field(discriminator="type")])  # type: ignore[valid-type]
 

@@ -39,6 +39,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
 
+# Every process of the run (this one and the subprocesses it starts) reads the tests' model catalog:
+# the default one's model plus the simulator (tests/models.py). Tests of the default catalog name
+# its path explicitly.
+from tests.models import TEST_CATALOG_PATH  # noqa: E402
+
+os.environ["CHATPLANE_MODEL_CATALOG"] = str(TEST_CATALOG_PATH)
+
 # Bounds on the infra start/stop scripts (they have their own ready timeouts inside, which are
 # shorter; these only guard against a hung script).
 SERVER_START_SCRIPT_TIMEOUT_S = 600.0

@@ -12,43 +12,82 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
+from pathlib import Path
+from typing import assert_never
 
 import orjson
 
+from projections.shared.catalog import (
+    ENGINES_WITH_WEIGHTS,
+    CatalogError,
+    CatalogModel,
+    EngineKind,
+    ModelFileMissing,
+    UnknownModel,
+    WeightsMismatch,
+    load_catalog,
+)
 from workers.engines.base import Engine
-from workers.registry import RegisteredModel, default_registry
 from projections.shared.settings import SettingsError, exit_on_settings_error
 from workers.settings import WorkerSettings
 from workers.worker import MissingTopics, NullResultSink, ResultSink, Worker
 
 
-def build_engine(name: str, model: RegisteredModel) -> Engine:
-    if name == "sim":
-        from workers.engines.sim import SimConfig, SimulatedEngine
-
-        return SimulatedEngine(SimConfig.from_env())
-    if name == "cpu":
-        from workers.engines.cpu import CpuEngine
-
-        return CpuEngine(model.weights_path)
-    if name == "sglang":
-        from workers.engines.sglang import SGLangEngine
-
-        args = orjson.loads(os.environ.get("CHATPLANE_SGLANG_ENGINE_ARGS", "{}"))
-        if os.environ.get("CHATPLANE_SGLANG_MODEL_PATH"):
-            args.setdefault("model_path", os.environ["CHATPLANE_SGLANG_MODEL_PATH"])
-        return SGLangEngine(args)
-    raise SystemExit(f"unknown engine {name!r}: cpu, sim or sglang")
+class ServeRefused(RuntimeError):
+    """This worker cannot serve the alias it was started for; the message is one line."""
 
 
-def served_model(settings: WorkerSettings, engine: str) -> RegisteredModel:
-    model = default_registry().get(settings.model_alias)
-    override = os.environ.get("CHATPLANE_WORKER_MODEL_VERSION")
-    return dataclasses.replace(model, engine=engine, version=override or model.version)
+def build_engine(model: CatalogModel, weights: Path | None) -> Engine:
+    """The catalog's engine for ``model`` (``weights``: verified against the pinned digest)."""
+    match model.engine:
+        case EngineKind.SIM:
+            from workers.engines.sim import SimConfig, SimulatedEngine
+
+            return SimulatedEngine(SimConfig.from_env())
+        case EngineKind.CPU:
+            from workers.engines.cpu import CpuEngine
+
+            assert weights is not None
+            return CpuEngine(weights, context_tokens=model.context_tokens)
+        case EngineKind.SGLANG:
+            from workers.engines.sglang import SGLangEngine
+
+            assert weights is not None
+            args = orjson.loads(os.environ.get("CHATPLANE_SGLANG_ENGINE_ARGS", "{}"))
+            args["model_path"] = str(weights)
+            return SGLangEngine(args)
+        case _:
+            assert_never(model.engine)
+
+
+def served_model(settings: WorkerSettings, engine: str | None) -> tuple[CatalogModel, Path | None]:
+    """The catalog entry this worker serves and its verified weights, or ``ServeRefused``.
+
+    An engine other than the catalog's for the alias refuses to start (a simulator only serves a
+    simulator alias), and so do weights whose sha256 is not the pinned one: a worker never answers a
+    dispatch for a version it does not hold.
+    """
+    catalog = load_catalog()
+    try:
+        model = catalog.get(settings.model_alias)
+    except UnknownModel:
+        raise ServeRefused(
+            f"model alias {settings.model_alias!r} (CHATPLANE_WORKER_MODEL_ALIAS) is not in the catalog {catalog.source}"
+        ) from None
+    if engine is not None and engine != model.engine.value:
+        raise ServeRefused(
+            f"engine {engine!r} cannot serve {model.alias}: the catalog {catalog.source} serves it with "
+            f"{model.engine.value!r} ({model.version})"
+        )
+    if model.engine not in ENGINES_WITH_WEIGHTS:
+        return model, None
+    try:
+        return model, model.verify_weights()
+    except (ModelFileMissing, WeightsMismatch) as exc:
+        raise ServeRefused(str(exc)) from None
 
 
 def build_result_sink(settings: WorkerSettings) -> ResultSink:
@@ -67,11 +106,11 @@ def build_result_sink(settings: WorkerSettings) -> ResultSink:
     )
 
 
-async def amain(engine_name: str) -> None:
+async def amain(engine_name: str | None) -> None:
     settings = WorkerSettings()
-    model = served_model(settings, engine_name)
+    model, weights = served_model(settings, engine_name)
     sink = build_result_sink(settings)
-    worker = Worker(settings, build_engine(engine_name, model), model, result_sink=sink)
+    worker = Worker(settings, build_engine(model, weights), model, result_sink=sink)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -98,7 +137,10 @@ async def amain(engine_name: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="chatplane inference worker")
-    parser.add_argument("--engine", default=os.environ.get("CHATPLANE_WORKER_ENGINE", "cpu"), choices=("cpu", "sim", "sglang"))
+    parser.add_argument(
+        "--engine", default=os.environ.get("CHATPLANE_WORKER_ENGINE") or None, choices=[e.value for e in EngineKind],
+        help="must be the catalog's engine for the alias (default: the catalog's)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("CHATPLANE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
@@ -106,7 +148,7 @@ def main() -> None:
         asyncio.run(amain(args.engine))
     except SettingsError as exc:  # a CHATPLANE_* variable of the worker or of its engine
         exit_on_settings_error(exc)
-    except MissingTopics as exc:
+    except (MissingTopics, ServeRefused, CatalogError) as exc:
         raise SystemExit(f"workers: {exc}") from None
 
 

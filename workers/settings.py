@@ -34,7 +34,6 @@ class WorkerSettings:
     kafka_bootstrap: str = setting("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
     topology: Topology = setting("CHATPLANE_NAMESPACE", Topology(""), parse=Topology, expected="a namespace")
     worker_id: str = setting("CHATPLANE_WORKER_ID", kind=str, default_factory=_default_worker_id)
-    pool: str = setting("CHATPLANE_WORKER_POOL", "default")
     model_alias: str = setting("CHATPLANE_WORKER_MODEL_ALIAS", "fast-text-model")
     # Slots: generations in flight at once (capped by the engine's own ceiling).
     slots: int = setting("CHATPLANE_WORKER_SLOTS", 0, ge=0)  # 0: the engine's ceiling
@@ -80,7 +79,7 @@ class WorkerSettings:
             var = env_var(WorkerSettings, "result_store")
             raise SettingsError(f"{var}={self.result_store!r}: expected one of {', '.join(RESULT_STORES)}")
 
-    @property
-    def group_id(self) -> str:
+    def group_id(self, pool: str) -> str:
+        """The consumer group of a pool's workers (the pool is the served model's, from the catalog)."""
         ns = self.topology.namespace
-        return f"{ns}.chatplane-workers.{self.pool}" if ns else f"chatplane-workers.{self.pool}"
+        return f"{ns}.chatplane-workers.{pool}" if ns else f"chatplane-workers.{pool}"

@@ -104,6 +104,7 @@ class ServedModel(Protocol):
     """What the worker needs of the model it serves (its catalog entry)."""
 
     system_instructions: str  # trusted; the first message of every engine request
+    pool: str  # the catalog's pool of this model version: its dispatch topics and consumer group
 
     def serves(self, model_version: str) -> bool: ...
 
@@ -315,7 +316,7 @@ class Worker:
         self.on_trace = on_trace
         topo = settings.topology
         self.control = ReplyTo(topo.worker_control.name, worker_control_partition(settings.worker_id), "-")
-        self.dispatch_topics = {"paid": topo.dispatch(settings.pool, "paid").name, "free": topo.dispatch(settings.pool, "free").name}
+        self.dispatch_topics = {"paid": topo.dispatch(model.pool, "paid").name, "free": topo.dispatch(model.pool, "free").name}
         limit = engine.max_concurrent if settings.slots <= 0 else min(settings.slots, engine.max_concurrent)
         self.slots = max(1, limit)
         self.free_slots = self.slots
@@ -369,7 +370,7 @@ class Worker:
         self.dispatch_consumer = AIOKafkaConsumer(
             *self.dispatch_topics.values(),
             bootstrap_servers=s.kafka_bootstrap,
-            group_id=s.group_id,
+            group_id=s.group_id(self.model.pool),
             client_id=s.worker_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
@@ -385,7 +386,7 @@ class Worker:
             asyncio.create_task(self._heartbeat_loop(), name="worker-heartbeat"),
             asyncio.create_task(self._commit_loop(), name="worker-commit"),
         ]
-        log.info("worker %s ready: pool=%s engine=%s slots=%d control=%d", s.worker_id, s.pool, self.engine.name,
+        log.info("worker %s ready: pool=%s engine=%s slots=%d control=%d", s.worker_id, self.model.pool, self.engine.name,
                  self.slots, self.control.partition)
 
     async def stop(self, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
@@ -633,7 +634,7 @@ class Worker:
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
             worker_id=self.settings.worker_id,
-            pool=self.settings.pool,
+            pool=self.model.pool,
             sent_at_ms=now_ms(),
             free_slots=max(0, self.free_slots),
             active_sequences=len(self.active),

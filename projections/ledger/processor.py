@@ -40,12 +40,12 @@ from control_plane.aggregate import Aggregate, handle
 from control_plane.decide import next_deadline_ms
 from control_plane.routing import route
 from projections.shared.gc_tuning import tune_gc
-from projections.shared.kafka_admin import assert_copartitioned
+from projections.shared.kafka_admin import TopologyError, assert_copartitioned, assert_topology
 from projections.shared.settings import SettingsError, exit_on_settings_error
 from projections.ledger.settings import ProcessorSettings
 from projections.ledger.table_store import EMPTY_LAYOUT, Layout, TableWrites, is_settled_key, join, plan, unpack_deadline
 from schemas.commands import ReconcileDue
-from schemas.topics import USER_TO_LEDGER_TABLE
+from schemas.topics import TIERS, USER_TO_LEDGER_TABLE
 from schemas.wire import WireError, decode_command, encode
 
 log = logging.getLogger("chatplane.processor")
@@ -487,7 +487,11 @@ class AdmissionProcessor:
             self.stats.reconciles_appended += 1
 
     async def check_topology(self) -> None:
+        """Co-partitioning, and a dispatch topic for every pool and tier of the catalog: a pool added to
+        the catalog without ``infra/create-topics`` stops the processor here, not at its first dispatch."""
         await assert_copartitioned(self.settings.kafka_bootstrap, self.topology)
+        pools = {m.pool for m in self.policy.models.values()}
+        await assert_topology(self.settings.kafka_bootstrap, [self.topology.dispatch(p, t) for p in sorted(pools) for t in TIERS])
 
 
 CLIENT_LOGGERS = ("aiokafka", "faust", "mode")
@@ -508,7 +512,10 @@ def main() -> None:
     except SettingsError as exc:
         exit_on_settings_error(exc)
     processor = AdmissionProcessor(settings)
-    asyncio.run(processor.check_topology())
+    try:
+        asyncio.run(processor.check_topology())
+    except TopologyError as exc:
+        raise SystemExit(f"projections: {exc}") from None
     worker = faust.Worker(processor.app, loglevel=level, quiet=True)
     worker.execute_from_commandline()
 

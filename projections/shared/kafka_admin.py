@@ -1,4 +1,4 @@
-"""Topic creation and the co-partitioning check, shared by ``infra/``, the processor and the tests.
+"""Topic creation (the one path) and the co-partitioning check, shared by ``infra/``, the processes and the tests.
 
 Partition counts are schema (``schemas.topics``): topics are created explicitly with them, never by
 broker auto-creation, and a running component refuses to start if the cluster disagrees.
@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
+from projections.shared.catalog import Catalog, load_catalog
 from projections.shared.settings import env_value
 from schemas.topics import TopicSpec, Topology
 
@@ -59,31 +61,60 @@ def _served(topic: dict | None, partitions: int) -> bool:
     return len(parts) == partitions and all(p["leader"] >= 0 for p in parts)
 
 
-async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec], replication_factor: int = 1) -> list[str]:
-    """Create the missing topics with their schema partitions and retention; return the created names."""
+def deployment_topics(topology: Topology, catalog: Catalog | None = None) -> tuple[TopicSpec, ...]:
+    """Every topic of a deployment: the fixed ones plus a dispatch topic per catalog pool and tier."""
+    return topology.all((catalog or load_catalog()).pools())
+
+
+async def ensure_topics(
+    bootstrap: str,
+    specs: Iterable[TopicSpec],
+    replication_factor: int = 1,
+    report: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Create the missing topics with their schema partitions and configs; return the created names.
+
+    The one path that creates topics (``infra/create-topics``, the tests, the benchmarks). An existing
+    topic must have its schema partition count (``TopologyError`` otherwise: partition counts are
+    schema, a cluster that disagrees is fixed by hand) and gets its configs re-applied (idempotent),
+    so retention follows the schema. ``report`` receives one line per topic.
+    """
     specs = list(specs)
+    say = report or (lambda _line: None)
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ADMIN_REQUEST_TIMEOUT_MS)
     await admin.start()
     try:
-        existing = set(await admin.list_topics())
+        existing = {t["topic"]: t for t in await admin.describe_topics() if t.get("error_code", 0) == 0}
         missing = [s for s in specs if s.name not in existing]
         if missing:
             response = await admin.create_topics(
-                [
-                    NewTopic(
-                        s.name,
-                        s.partitions,
-                        replication_factor,
-                        topic_configs=s.configs(),
-                    )
-                    for s in missing
-                ],
+                [NewTopic(s.name, s.partitions, replication_factor, topic_configs=s.configs()) for s in missing],
                 timeout_ms=ADMIN_REQUEST_TIMEOUT_MS,
             )
             for error in response.topic_errors:
                 if error[1] not in (0, TOPIC_ALREADY_EXISTS):
-                    raise TopologyError(f"creating topic {error[0]} failed with error code {error[1]}")
+                    raise TopologyError(f"creating topic {error[0]} failed with error code {error[1]} {error[2:] or ''}")
             await wait_topics_ready(admin, {s.name: s.partitions for s in missing})
+            for s in missing:
+                say(f"topic {s.name}: created ({s.partitions} partitions, retention.ms={s.retention_ms})")
+        for s in specs:
+            if s.name not in existing:
+                continue
+            have = len(existing[s.name]["partitions"])
+            if have != s.partitions:
+                raise TopologyError(
+                    f"topic {s.name} exists with {have} partitions, the schema says {s.partitions}: "
+                    "partition counts are schema, fix the cluster by hand"
+                )
+            responses = await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, s.name, configs=s.configs())])
+            for r in responses:
+                for res in r.to_object()["resources"]:
+                    if res["error_code"] != 0:
+                        raise TopologyError(
+                            f"setting configs of topic {s.name} failed: error code {res['error_code']} "
+                            f"{res.get('error_message') or ''}"
+                        )
+            say(f"topic {s.name}: exists ({have} partitions), retention.ms={s.retention_ms}")
         return [s.name for s in missing]
     finally:
         await admin.close()

@@ -175,11 +175,19 @@ def exit_on_settings_error(error: SettingsError) -> NoReturn:
 def policy_from_env() -> Policy:
     """The admission policy; every limit can be set by a ``CHATPLANE_*`` variable.
 
-    The one place the processor and the edge build their ``Policy`` from the environment. The model
-    catalog (``Policy.models``) is the policy's own default here.
+    The one place the processor and the edge build their ``Policy`` from the environment. Its models
+    are the catalog file's (``CHATPLANE_MODEL_CATALOG``, default: the shipped ``models.toml``), the
+    same file every worker reads; an invalid file is a ``SettingsError`` naming the variable.
     """
+    from projections.shared.catalog import CATALOG_ENV, CatalogError, load_catalog
+
+    try:
+        models = load_catalog().policy_models()
+    except CatalogError as exc:
+        raise SettingsError(f"{CATALOG_ENV}: {exc}") from None
     base = Policy()
     return Policy(
+        models=models,
         quota_limit_by_tier={
             Tier.FREE: env_value("CHATPLANE_QUOTA_FREE_PER_WINDOW", base.quota_limit_by_tier[Tier.FREE], ge=0),
             Tier.PAID: env_value("CHATPLANE_QUOTA_PAID_PER_WINDOW", base.quota_limit_by_tier[Tier.PAID], ge=0),

@@ -71,35 +71,57 @@ async def engine_checks(engine: SGLangEngine) -> None:
           f"{after} tokens after it, usage out={fin.output_tokens}")
 
 
-async def end_to_end(engine: SGLangEngine, bootstrap: str) -> None:
-    import dataclasses
+GPU_ALIAS = "gpu-check-model"
+
+
+def write_catalog(model_dir: Path, into: Path) -> Path:
+    """A catalog naming the local SGLang model (its directory digest pinned), read by every process here."""
+    from projections.shared.catalog import weights_digest
+
+    path = into / "models.toml"
+    path.write_text(
+        f'[models.{GPU_ALIAS}]\nversion = "gpu-check-model"\nengine = "sglang"\nweights = "{model_dir}"\n'
+        f'weights_sha256 = "{weights_digest(model_dir)}"\ncontext_tokens = 4096\n'
+        'system_instructions = "You are a helpful assistant."\n'
+    )
+    return path
+
+
+async def end_to_end(engine: SGLangEngine, bootstrap: str, model_dir: Path) -> None:
     import tempfile
 
+    from projections.shared.catalog import load_catalog
     from projections.shared.command_client import CommandClient
-    from projections.shared.kafka_admin import delete_topics, ensure_topics
+    from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics
     from schemas.codes import RequestStatus
     from schemas.topics import Topology
     from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding
-    from tests.integration.workers_harness import TestEdge, served, worker_settings
+    from tests.integration.workers_harness import TestEdge, worker_settings
     from workers.worker import Worker
 
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    catalog_path = write_catalog(model_dir, work)
+    os.environ["CHATPLANE_MODEL_CATALOG"] = str(catalog_path)  # the processor subprocess reads it too
+    catalog = load_catalog(catalog_path)
+    model = catalog.get(GPU_ALIAS)
     topo = Topology(f"gpu{uuid.uuid4().hex[:8]}")
-    await ensure_topics(bootstrap, topo.all())
-    proc = ProcessorProcess(bootstrap, topo.namespace, Path(tempfile.mkdtemp(prefix="gpu-check-")))
+    topics = deployment_topics(topo, catalog)
+    await ensure_topics(bootstrap, topics)
+    proc = ProcessorProcess(bootstrap, topo.namespace, work)
     proc.start()
     try:
         async with CommandClient(bootstrap, topo, inbox_partition=0, decision_timeout_s=15) as probe:
             await wait_until_deciding(probe)
-        model = dataclasses.replace(served("sglang"), system_instructions="You are a helpful assistant.")
-        async with TestEdge(bootstrap, topo, partition=1) as edge, Worker(worker_settings(bootstrap, topo), engine, model) as w:
+        settings = worker_settings(bootstrap, topo, model_alias=GPU_ALIAS)
+        async with TestEdge(bootstrap, topo, partition=1) as edge, Worker(settings, engine, model) as w:
             u = f"gpu-{uuid.uuid4().hex[:8]}"
-            gid = await edge.submit(u, "Name three colors.", max_output_tokens=64)
+            gid = await edge.submit(u, "Name three colors.", max_output_tokens=64, model_alias=GPU_ALIAS)
             final = await edge.wait_finalized(gid, 120)
             if final.status is not RequestStatus.COMPLETED or final.output_tokens <= 0 or not edge.deltas[gid]:
                 fail(f"end-to-end generation: {final}")
             print(f"gpu-check: end to end ok: {len(edge.deltas[gid])} deltas, usage out={final.output_tokens}")
             u = f"gpu-{uuid.uuid4().hex[:8]}"
-            gid = await edge.submit(u, "Write a very long story about a dragon.", max_output_tokens=2000)
+            gid = await edge.submit(u, "Write a very long story about a dragon.", max_output_tokens=2000, model_alias=GPU_ALIAS)
             await edge.wait_for(lambda: len(edge.deltas[gid]) >= 5, 120, "5 deltas")
             await edge.cancel(u, gid)
             final = await edge.wait_finalized(gid, 120)
@@ -109,7 +131,7 @@ async def end_to_end(engine: SGLangEngine, bootstrap: str) -> None:
             print(f"gpu-check: end-to-end cancel ok: {tr.tokens_after_stop} tokens after the stop, usage out={final.output_tokens}")
     finally:
         proc.stop()
-        await delete_topics(bootstrap, [s.name for s in topo.all()])
+        await delete_topics(bootstrap, [s.name for s in topics])
 
 
 async def kafka_up(bootstrap: str) -> bool:
@@ -138,7 +160,7 @@ async def main() -> None:
         await asyncio.wait_for(engine_checks(engine), CHECK_TIMEOUT_S)
         bootstrap = os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
         if await kafka_up(bootstrap):
-            await asyncio.wait_for(end_to_end(engine, bootstrap), CHECK_TIMEOUT_S)
+            await asyncio.wait_for(end_to_end(engine, bootstrap, Path(model)), CHECK_TIMEOUT_S)
         else:
             print(f"gpu-check: end-to-end part skipped: no Kafka at {bootstrap} (infra/kafka-start)")
     finally:

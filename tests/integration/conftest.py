@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from projections.shared.command_client import CommandClient
-from projections.shared.kafka_admin import delete_topics, ensure_topics
+from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics
 from schemas.topics import Topology
 from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding
 
@@ -23,9 +23,9 @@ LOAD_DECISION_TIMEOUT_S = 15.0
 @pytest.fixture
 async def topology(kafka_bootstrap):
     topo = Topology(f"t{uuid.uuid4().hex[:10]}")
-    await ensure_topics(kafka_bootstrap, topo.all())
+    await ensure_topics(kafka_bootstrap, deployment_topics(topo))
     yield topo
-    await delete_topics(kafka_bootstrap, [s.name for s in topo.all()])
+    await delete_topics(kafka_bootstrap, [s.name for s in deployment_topics(topo)])
 
 
 @pytest.fixture

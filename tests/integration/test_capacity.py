@@ -30,7 +30,7 @@ POLL_S = 0.05
 
 
 def body(stream: bool = False) -> dict:
-    return {"model": "fast-text-model", "messages": [{"role": "user", "content": "Name three colors."}],
+    return {"model": "simulated-text-model", "messages": [{"role": "user", "content": "Name three colors."}],
             "stream": stream, "max_output_tokens": OUTPUT_TOKENS}
 
 

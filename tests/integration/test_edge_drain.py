@@ -31,7 +31,7 @@ TERMINALS = ("generation.completed", "generation.cancelled", "generation.error")
 
 
 def body(i: int) -> dict:
-    return {"model": "fast-text-model", "messages": [{"role": "user", "content": f"s{i}"}], "stream": True, "max_output_tokens": 64}
+    return {"model": "simulated-text-model", "messages": [{"role": "user", "content": f"s{i}"}], "stream": True, "max_output_tokens": 64}
 
 
 async def test_sigterm_during_20_live_streams_ends_each_with_a_terminal_event(

@@ -38,7 +38,7 @@ POLLS_MAX = 400
 
 
 def body(text: str, stream: bool = False, max_output_tokens: int = 64) -> dict:
-    return {"model": "fast-text-model", "messages": [{"role": "user", "content": text}], "stream": stream, "max_output_tokens": max_output_tokens}
+    return {"model": "simulated-text-model", "messages": [{"role": "user", "content": text}], "stream": stream, "max_output_tokens": max_output_tokens}
 
 
 def typed(resp, code: RejectionCode) -> dict:

@@ -70,7 +70,7 @@ def fuzz(url: str, headers: dict[str, str]) -> dict[str, set[int]]:
                 if steer and mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
                     # Half of the valid bodies name a model of the catalog and end with a user turn,
                     # so the fuzz reaches admission, streaming and the result buffer too.
-                    case.body["model"] = "fast-text-model"
+                    case.body["model"] = "simulated-text-model"
                     if case.body.get("messages"):
                         case.body["messages"][-1]["role"] = "user"
                 response = case.call(base_url=url, headers=auth, timeout=30)

@@ -37,6 +37,7 @@ from schemas.codes import FinishOutcome, RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, OutcomeKind, PromptPayload, PromptRequest, TextDelta
 from schemas.topics import Topology
 from schemas.wire import decode_message, encode
+from tests.models import SIM_POOL
 
 EDGE_INBOX_PARTITION = 1
 FAKE_WORKER_INBOX_PARTITION = 7
@@ -79,8 +80,8 @@ class FakeSimWorker:
         self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=0)
         await self.producer.start()
         self.consumer = AIOKafkaConsumer(
-            self.topology.dispatch("default", "free").name,
-            self.topology.dispatch("default", "paid").name,
+            self.topology.dispatch(SIM_POOL, "free").name,
+            self.topology.dispatch(SIM_POOL, "paid").name,
             bootstrap_servers=self.bootstrap,
             group_id=f"{self.topology.namespace}.fake-workers",
             auto_offset_reset="earliest",

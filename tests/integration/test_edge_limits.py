@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 
 def body(text: str, stream: bool = False) -> dict:
-    return {"model": "fast-text-model", "messages": [{"role": "user", "content": text}], "stream": stream, "max_output_tokens": 16}
+    return {"model": "simulated-text-model", "messages": [{"role": "user", "content": text}], "stream": stream, "max_output_tokens": 16}
 
 
 async def test_41st_sequential_submit_is_quota_exhausted_with_reset_at(kafka_bootstrap, topology, running_processor):

@@ -78,7 +78,7 @@ async def test_foreign_sse_reader_parses_multibyte_text_split_across_network_chu
         async with splitting_proxy(port) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
             for n in range(2):
                 events = []
-                body = {"model": "fast-text-model", "messages": [{"role": "user", "content": "\u00e9crire \u4e16"}], "stream": True, "max_output_tokens": 32}
+                body = {"model": "simulated-text-model", "messages": [{"role": "user", "content": "\u00e9crire \u4e16"}], "stream": True, "max_output_tokens": 32}
                 async with httpx_sse.aconnect_sse(http, "POST", "/v1/generations", json=body, headers=e.headers(f"u{n}", "k")) as es:
                     assert es.response.status_code == 200
                     async for sse in es.aiter_sse():
@@ -122,7 +122,7 @@ async def test_slow_reader_is_cancelled_at_its_buffer_limit_while_50_streams_kee
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         raw.connect(("127.0.0.1", port))
         raw.setblocking(False)
-        payload = b'{"model":"fast-text-model","messages":[{"role":"user","content":"BIG"}],"stream":true,"max_output_tokens":4096}'
+        payload = b'{"model":"simulated-text-model","messages":[{"role":"user","content":"BIG"}],"stream":true,"max_output_tokens":4096}'
         auth = e.headers("slow-user", "k")
         request = (
             b"POST /v1/generations HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
@@ -135,7 +135,7 @@ async def test_slow_reader_is_cancelled_at_its_buffer_limit_while_50_streams_kee
         assert head.startswith(b"HTTP/1.1 200")
 
         async def one(i: int) -> list[tuple[str, dict]]:
-            body = {"model": "fast-text-model", "messages": [{"role": "user", "content": f"n{i}"}], "stream": True, "max_output_tokens": 32}
+            body = {"model": "simulated-text-model", "messages": [{"role": "user", "content": f"n{i}"}], "stream": True, "max_output_tokens": 32}
             events = []
             async with httpx_sse.aconnect_sse(http, "POST", "/v1/generations", json=body, headers=e.headers(f"n{i}-{uuid.uuid4().hex[:4]}", "k")) as es:
                 assert es.response.status_code == 200

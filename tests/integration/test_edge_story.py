@@ -20,7 +20,7 @@ from tests.integration.test_edge_harness import FakeSimWorker, edge_settings, se
 
 pytestmark = pytest.mark.integration
 
-BODY = {"model": "fast-text-model", "messages": [{"role": "user", "content": "Tell me a story"}], "stream": True, "max_output_tokens": 64}
+BODY = {"model": "simulated-text-model", "messages": [{"role": "user", "content": "Tell me a story"}], "stream": True, "max_output_tokens": 64}
 
 
 async def test_opening_story_stream_cancel_retry(kafka_bootstrap, topology, running_processor):

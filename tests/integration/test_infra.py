@@ -14,6 +14,7 @@ import pytest
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from projections.shared.cassandra import execute
+from projections.shared.kafka_admin import deployment_topics
 from schemas import topics as T
 
 pytestmark = pytest.mark.integration
@@ -47,7 +48,7 @@ async def test_create_topics_follows_the_schema_and_is_idempotent(
         "CHATPLANE_CASSANDRA_HOSTS": ",".join(cassandra_hosts),
         "CHATPLANE_CASSANDRA_PORT": str(cassandra_port),
     }
-    specs = T.Topology(ns).all()
+    specs = deployment_topics(T.Topology(ns))
     assert specs, "the schema lists no topics"
     try:
         first = run("create-topics", env=env)

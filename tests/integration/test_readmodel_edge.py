@@ -32,7 +32,7 @@ RESULT_TTL_S = 8  # long enough for two edges and the projection on a shared 2-c
 PROJECTED_WAIT_S = 60.0
 POLL_S = 0.1
 HANG_GUARD_S = 60.0
-BODY = {"model": "fast-text-model", "messages": [{"role": "user", "content": "Name three colors."}],
+BODY = {"model": "simulated-text-model", "messages": [{"role": "user", "content": "Name three colors."}],
         "stream": False, "max_output_tokens": 16}
 
 

@@ -9,7 +9,7 @@ import uuid
 import pytest
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from projections.shared.kafka_admin import delete_topics, ensure_topics
+from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics
 from schemas import topics as T
 from tests.integration.test_infra import run
 
@@ -36,7 +36,7 @@ def expected(spec: T.TopicSpec, broker: dict[str, str]) -> dict[str, str]:
 
 
 async def test_ensure_topics_applies_every_retention_setting(kafka_bootstrap, kafka_admin):
-    specs = T.Topology(f"ret-{uuid.uuid4().hex[:10]}").all()
+    specs = deployment_topics(T.Topology(f"ret-{uuid.uuid4().hex[:10]}"))
     try:
         await ensure_topics(kafka_bootstrap, specs)
         got = await broker_configs(kafka_admin, specs)
@@ -52,7 +52,7 @@ async def test_ensure_topics_applies_every_retention_setting(kafka_bootstrap, ka
 
 async def test_create_topics_applies_and_reapplies_every_retention_setting(kafka_bootstrap, kafka_admin, cassandra_hosts, cassandra_port):
     ns = f"ret-{uuid.uuid4().hex[:10]}"
-    specs = T.Topology(ns).all()
+    specs = deployment_topics(T.Topology(ns))
     env = {"CHATPLANE_NAMESPACE": ns, "CHATPLANE_KAFKA_BOOTSTRAP": kafka_bootstrap,
            "CHATPLANE_CASSANDRA_HOSTS": ",".join(cassandra_hosts), "CHATPLANE_CASSANDRA_PORT": str(cassandra_port)}
     try:

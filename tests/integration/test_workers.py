@@ -22,6 +22,7 @@ from schemas.messages import OutcomeKind, WorkerHeartbeat
 from schemas.topics import Topology
 from schemas.wire import decode_message
 from tests.doubles import MemoryResultSink
+from tests.models import SIM_POOL
 from tests.integration.ledger_harness import wait_until_deciding
 from tests.integration.test_edge_harness import edge_settings, serve_edge
 from tests.integration.workers_harness import (
@@ -57,7 +58,7 @@ async def edge(kafka_bootstrap, topology, processor):
 
 def sim_worker(kafka_bootstrap, topology, sink=None, **sim) -> Worker:
     cfg = SimConfig(**{"ttft_ms": 20, "inter_token_ms": 10, "jitter_ms": 1, "output_tokens": 12, **sim})
-    return Worker(worker_settings(kafka_bootstrap, topology), SimulatedEngine(cfg), served("sim"), result_sink=sink)
+    return Worker(worker_settings(kafka_bootstrap, topology), SimulatedEngine(cfg), served(), result_sink=sink)
 
 
 def user() -> str:
@@ -93,7 +94,7 @@ async def test_a_generation_streams_from_the_sim_worker_with_usage_heartbeats_an
         await asyncio.sleep(0.6)
         beats = [decode_message(r[3]) for r in await read_topic(kafka_bootstrap, topology.capacity)]
         mine = [b for b in beats if isinstance(b, WorkerHeartbeat) and b.worker_id == worker.settings.worker_id]
-        assert mine and mine[-1].free_slots == worker.slots and mine[-1].pool == "default"
+        assert mine and mine[-1].free_slots == worker.slots and mine[-1].pool == SIM_POOL
         assert max(b.tokens_per_s for b in mine) > 0
     accepted = [e for e in await ledger_events(kafka_bootstrap, topology, gid) if isinstance(e, ev.AttemptAccepted)]
     assert len(accepted) == 1
@@ -171,7 +172,7 @@ async def test_lease_expiry_fences_a_silent_worker_and_its_late_report_is_droppe
     cfg = SimConfig(ttft_ms=10, inter_token_ms=20, jitter_ms=0, output_tokens=2000)
     # A worker that stops renewing (renewals every 60 s, the lease is 3 s): the processor fences it.
     settings = worker_settings(kafka_bootstrap, topology, renew_interval_s=60.0)
-    async with Worker(settings, SimulatedEngine(cfg), served("sim")) as worker:
+    async with Worker(settings, SimulatedEngine(cfg), served()) as worker:
         # (partial is the processor's view: this worker never renewed, so it never reported a token.)
         _, trace = await failed_with_report(edge, worker, 2000, RejectionCode.MODEL_BACKEND_ERROR)
         gid = trace.generation_id
@@ -195,7 +196,7 @@ async def test_a_worker_that_cannot_renew_its_lease_stops_its_engine_by_itself(
     restart the processor settles the attempt as failed (its fence or the worker's report)."""
     cfg = SimConfig(ttft_ms=10, inter_token_ms=20, jitter_ms=0, output_tokens=100_000)
     settings = worker_settings(kafka_bootstrap, topology, lease_ms=LEASE_MS, decision_timeout_s=0.5)
-    async with Worker(settings, SimulatedEngine(cfg), served("sim")) as worker:
+    async with Worker(settings, SimulatedEngine(cfg), served()) as worker:
         u = user()
         gid = await edge.submit(u, max_output_tokens=4000)
         await edge.wait_for(lambda: len(edge.deltas[gid]) >= 5, what="5 deltas")
@@ -261,7 +262,7 @@ async def test_kill9_mid_stream_reaches_the_http_client_as_generation_error_part
                          CHATPLANE_SIM_INTER_TOKEN_MS=50, CHATPLANE_SIM_OUTPUT_TOKENS=2000,
                          CHATPLANE_WORKER_RENEW_INTERVAL_S=2.5)
     proc.start()
-    body = {"model": "fast-text-model", "messages": [{"role": "user", "content": "Name three colors."}],
+    body = {"model": "simulated-text-model", "messages": [{"role": "user", "content": "Name three colors."}],
             "stream": True, "max_output_tokens": 2000}
     u = user()
     try:
@@ -307,7 +308,7 @@ async def test_settled_dispatches_are_committed_so_the_next_worker_of_the_group_
         assert {k[0] for k in first.traces} == set(gids)
     # Same consumer group, fresh process state: only a new dispatch reaches it.
     cfg = SimConfig(ttft_ms=20, inter_token_ms=10, jitter_ms=1, output_tokens=12)
-    async with Worker(settings, SimulatedEngine(cfg), served("sim")) as second:
+    async with Worker(settings, SimulatedEngine(cfg), served()) as second:
         fresh = await edge.submit(user())
         assert (await edge.wait_finalized(fresh)).status is RequestStatus.COMPLETED
         await asyncio.sleep(1.0)
@@ -332,7 +333,7 @@ async def test_an_engine_crash_mid_stream_fails_the_attempt_with_model_backend_e
 async def test_max_generation_duration_and_a_stalled_engine_end_the_attempt(kafka_bootstrap, topology, edge):
     long = SimConfig(ttft_ms=10, inter_token_ms=20, jitter_ms=0, output_tokens=5000)
     settings = worker_settings(kafka_bootstrap, topology, generation_duration_max_s=1.0)
-    async with Worker(settings, SimulatedEngine(long), served("sim")) as worker:
+    async with Worker(settings, SimulatedEngine(long), served()) as worker:
         u = user()
         gid = await edge.submit(u, max_output_tokens=4000)
         final = await edge.wait_finalized(gid)
@@ -341,7 +342,7 @@ async def test_max_generation_duration_and_a_stalled_engine_end_the_attempt(kafk
         assert 0 < trace.output_tokens < 4000 and final.output_tokens == trace.output_tokens
     stalls = SimConfig(ttft_ms=10, inter_token_ms=10, jitter_ms=0, output_tokens=200, stall_after_tokens=3, stall_s=60)
     settings = worker_settings(kafka_bootstrap, topology, engine_stall_max_s=1.0)
-    async with Worker(settings, SimulatedEngine(stalls), served("sim")) as worker:
+    async with Worker(settings, SimulatedEngine(stalls), served()) as worker:
         _, trace = await failed_with_report(edge, worker, 200, RejectionCode.MODEL_BACKEND_ERROR)
         assert trace.report.kind is OutcomeKind.APPLIED
         assert trace.output_tokens == 3 and worker.free_slots == worker.slots
@@ -349,10 +350,10 @@ async def test_max_generation_duration_and_a_stalled_engine_end_the_attempt(kafk
 
 async def test_a_worker_whose_topics_do_not_exist_fails_at_start_and_names_them(kafka_bootstrap):
     topo = Topology(f"absent{uuid.uuid4().hex[:8]}")
-    worker = Worker(worker_settings(kafka_bootstrap, topo), SimulatedEngine(SimConfig()), served("sim"))
+    worker = Worker(worker_settings(kafka_bootstrap, topo), SimulatedEngine(SimConfig()), served())
     with pytest.raises(MissingTopics) as exc:
         await asyncio.wait_for(worker.start(), 30)  # (the bound only keeps a regression from hanging CI)
-    assert topo.worker_control.name in str(exc.value) and topo.dispatch("default", "free").name in str(exc.value)
+    assert topo.worker_control.name in str(exc.value) and topo.dispatch(SIM_POOL, "free").name in str(exc.value)
 
 
 async def test_chunks_that_come_while_a_delta_is_in_flight_share_the_next_delta(kafka_bootstrap, topology, edge):
@@ -364,7 +365,7 @@ async def test_chunks_that_come_while_a_delta_is_in_flight_share_the_next_delta(
     for coalesce in (4096, 0):
         settings = worker_settings(kafka_bootstrap, topology, delta_coalesce_chars_max=coalesce)
         cfg = SimConfig(ttft_ms=20, inter_token_ms=0, jitter_ms=0, output_tokens=tokens)
-        async with Worker(settings, SimulatedEngine(cfg), served("sim")) as worker:
+        async with Worker(settings, SimulatedEngine(cfg), served()) as worker:
             gid = await edge.submit(user(), max_output_tokens=tokens + 10)
             final = await edge.wait_finalized(gid)
             assert final.status is RequestStatus.COMPLETED and final.output_tokens == tokens, final

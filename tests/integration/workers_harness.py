@@ -24,13 +24,14 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from projections.shared.topic_reader import read_topic
+from projections.shared.catalog import CatalogModel, load_catalog
 from projections.shared.command_client import CommandClient
 from schemas import commands as cmd
 from schemas.codes import Tier
 from schemas.messages import ChatMessage, GenerationFinalized, PromptPayload, PromptRequest, TextDelta
 from schemas.topics import Topology
 from schemas.wire import decode_ledger_entry, encode
-from workers.registry import default_registry
+from tests.models import CPU_ALIAS, SIM_ALIAS
 from workers.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,10 +100,10 @@ class TestEdge:
         await self.producer.send_and_wait(r.reply_to.topic, encode(payload), partition=r.reply_to.partition)
 
     async def submit(self, user: str, text: str = "Name three colors.", max_output_tokens: int = 64,
-                     tier: Tier = Tier.FREE, hold: bool = False) -> str:
+                     tier: Tier = Tier.FREE, hold: bool = False, model_alias: str = SIM_ALIAS) -> str:
         command = cmd.SubmitGeneration(
             command_id=uuid.uuid4().hex, user_id=user, issued_at_ms=now_ms(), idempotency_key=uuid.uuid4().hex,
-            fingerprint="fp-" + uuid.uuid4().hex[:12], model_alias="fast-text-model", tier=tier, stream=True,
+            fingerprint="fp-" + uuid.uuid4().hex[:12], model_alias=model_alias, tier=tier, stream=True,
             max_output_tokens=max_output_tokens, input_tokens=10, reply_to=self.client.reply_to(),
         )
         # The edge keeps the messages before the decision can arrive (the dispatch may race it).
@@ -140,17 +141,16 @@ class TestEdge:
 
 def worker_settings(bootstrap: str, topology: Topology, **over: Any) -> WorkerSettings:
     base: dict[str, Any] = dict(
-        kafka_bootstrap=bootstrap, topology=topology, worker_id=f"w-{uuid.uuid4().hex[:8]}", pool="default",
-        model_alias="fast-text-model", heartbeat_interval_s=0.5, renew_interval_s=0.5, session_timeout_ms=6000,
+        kafka_bootstrap=bootstrap, topology=topology, worker_id=f"w-{uuid.uuid4().hex[:8]}",
+        model_alias=SIM_ALIAS, heartbeat_interval_s=0.5, renew_interval_s=0.5, session_timeout_ms=6000,
     )
     base.update(over)
     return WorkerSettings(**base)
 
 
-def served(engine: str):
-    import dataclasses
-
-    return dataclasses.replace(default_registry().get("fast-text-model"), engine=engine)
+def served(alias: str = SIM_ALIAS) -> CatalogModel:
+    """The tests' catalog entry a worker serves (the simulator's unless a test names another alias)."""
+    return load_catalog().get(alias)
 
 
 async def ledger_events(bootstrap: str, topology: Topology, generation_id: str | None = None) -> list[Any]:
@@ -173,6 +173,8 @@ class WorkerProcess:
             # No result store unless a test asks (CHATPLANE_WORKER_RESULT_STORE=cassandra + CHATPLANE_CASSANDRA_*):
             # the default would write to the shared Cassandra's default keyspace.
             "CHATPLANE_WORKER_RESULT_STORE": "none",
+            # The alias its engine serves in the tests' catalog (a sim worker never serves the real model).
+            "CHATPLANE_WORKER_MODEL_ALIAS": SIM_ALIAS if engine == "sim" else CPU_ALIAS,
             "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in env.items()},
         }
         self.proc: subprocess.Popen[bytes] | None = None

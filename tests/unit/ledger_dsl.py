@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from control_plane.aggregate import Aggregate, handle
 from control_plane.decide import Decision
 from control_plane.invariants import InvariantMonitor
-from control_plane.policy import Policy
+from control_plane.policy import ModelEntry, Policy
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, Tier
 from schemas.commands import ReplyTo
@@ -17,6 +17,12 @@ from schemas.commands import ReplyTo
 # 2026-11-06T15:00:00Z: the start of a UTC 3-hour window (15:00-18:00), as in the seed's example.
 T0 = 1_762_441_200_000
 REPLY = ReplyTo(topic="chatplane.edge-inbox", partition=0, request_id="req")
+# The core's view of the default catalog's model (projections/shared/models.toml).
+TEST_MODELS = {
+    "fast-text-model": ModelEntry(
+        "fast-text-model", "smollm2-135m-instruct-q4_1@sha256:b179c9523d0e", "smollm2-135m-instruct-q4_1", frozenset(Tier)
+    ),
+}
 
 
 @dataclass
@@ -27,6 +33,8 @@ class Ledger:
     tier: Tier = Tier.FREE
 
     def __post_init__(self) -> None:
+        if not self.policy.models:  # a policy given for its limits only gets the test models
+            self.policy = replace(self.policy, models=TEST_MODELS)
         self.aggregate = Aggregate.empty(self.user_id)
         self.monitor = InvariantMonitor(concurrency_limit=self.policy.concurrency_limit)
         self._ids = itertools.count(1)

@@ -485,8 +485,8 @@ async def test_model_not_allowed_for_the_tier_is_403_before_any_work():
 
     policy = Policy(
         models={
-            "fast-text-model": ModelEntry("fast-text-model", "v1"),
-            "paid-model": ModelEntry("paid-model", "v2", tiers=frozenset({Tier.PAID})),
+            "fast-text-model": ModelEntry("fast-text-model", "v1", "p1", frozenset(Tier)),
+            "paid-model": ModelEntry("paid-model", "v2", "p2", frozenset({Tier.PAID})),
         }
     )
     admit = lambda c: Outcome(command_id=c.command_id, kind=OutcomeKind.REJECTED, code=RejectionCode.CONCURRENCY_LIMITED)  # noqa: E731
@@ -512,11 +512,13 @@ def test_every_429_and_503_carries_retry_after_even_without_a_delay_from_the_dec
 
 async def test_input_tokens_are_counted_with_the_models_tokenizer():
     from edge.tokens import estimate_input_tokens
-    from workers import registry
+    from projections.shared.catalog import load_catalog
+    from projections.shared.tokens import count_input_tokens, vocabulary_path
 
     messages = (ChatMessage("user", "Explain TCP congestion control. " * 20),)
-    real = registry.count_input_tokens("fast-text-model", [(m.role, m.content) for m in messages])
-    if registry.llama_cpp_available():
+    model = load_catalog().get("fast-text-model")
+    real = count_input_tokens(model, [(m.role, m.content) for m in messages])
+    if vocabulary_path(model) is not None:
         # SmolLM2's vocabulary, not the bytes/3 estimate (which over-counts English about 2x).
         assert real < estimate_input_tokens("fast-text-model", messages) * 0.75
     limit = (real + estimate_input_tokens("fast-text-model", messages)) // 2

@@ -8,19 +8,20 @@ import pytest
 
 from workers.engines.base import EngineRequest, Finished, FinishReason, Message, TextChunk
 from workers.engines.cpu import CpuEngine, cpu_runtime_missing_reason
-from workers.registry import DEFAULT_SYSTEM_INSTRUCTIONS
+from projections.shared.catalog import DEFAULT_CATALOG_PATH, load_catalog
 
 MISSING = cpu_runtime_missing_reason()
+MODEL = load_catalog(DEFAULT_CATALOG_PATH).get("fast-text-model")
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"cpu runtime not installed: {MISSING}")
 
 
 def request(text: str, max_tokens: int = 48) -> EngineRequest:
-    return EngineRequest("c" * 32, (Message("system", DEFAULT_SYSTEM_INSTRUCTIONS), Message("user", text)), max_tokens)
+    return EngineRequest("c" * 32, (Message("system", MODEL.system_instructions), Message("user", text)), max_tokens)
 
 
 @pytest.fixture(scope="module")
 async def engine():
-    e = CpuEngine()
+    e = CpuEngine(MODEL.verify_weights(), context_tokens=MODEL.context_tokens)
     await e.start()
     yield e
     await e.close()
@@ -82,7 +83,7 @@ def _valid_utf8(b: bytes) -> bool:
 
 @pytest.mark.parametrize("text", ["", "hi", "Name three colors. " * 20, "é漢字🙂 mixed ünïcödé " * 30, "x" * 5000])
 def test_one_pass_token_count_equals_the_tokenizers_own(text):
-    from workers.registry import _token_count, _vocab, default_registry
+    from projections.shared.tokens import _token_count, _vocab
 
-    path = str(default_registry().get("fast-text-model").weights_path)
+    path = str(MODEL.verify_weights())
     assert _token_count(path, text) == len(_vocab(path).tokenize(text.encode(), add_bos=False, special=False))

@@ -69,8 +69,8 @@ POLICY = Policy(
     concurrency_limit=2,
     dedup_records_per_user_max=6,  # small, so that the oldest settled records are purged early
     models={
-        "fast-text-model": ModelEntry("fast-text-model", "smollm2-135m-instruct-q4_1"),
-        "paid-model": ModelEntry("paid-model", "bigger-model-v1", tiers=frozenset({Tier.PAID})),
+        "fast-text-model": ModelEntry("fast-text-model", "smollm2-135m-instruct-q4_1", "smollm2", frozenset(Tier)),
+        "paid-model": ModelEntry("paid-model", "bigger-model-v1", "bigger", frozenset({Tier.PAID})),
     },
 )
 

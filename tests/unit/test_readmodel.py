@@ -12,7 +12,7 @@ from projections.readmodel.usage_report import UsageTotals, aggregate_usage, par
 from schemas import events as ev
 from schemas.codes import FinishOutcome, RequestStatus
 from schemas.wire import decode_ledger_entry, encode
-from tests.unit.ledger_dsl import Ledger
+from tests.unit.ledger_dsl import TEST_MODELS, Ledger
 
 
 def _entry(decision, command_id: str, command_type: str = "X", user_id: str = "user-1") -> ev.LedgerEntry:
@@ -37,7 +37,7 @@ def test_fold_admitted_sets_owner_status_model_and_window():
     cols = fold_entry(entries[0])[gid]
     assert cols["user_id"] == "user-1"
     assert cols["status"] == RequestStatus.QUEUED.value
-    assert cols["model_version"] == "smollm2-135m-instruct-q4_1"
+    assert cols["model_version"] == TEST_MODELS["fast-text-model"].version
     assert cols["input_tokens"] == 12 and cols["output_tokens"] == 0
     assert cols["window_end_ms"] > cols["window_start_ms"]
     assert set(cols) <= set(GENERATION_COLUMNS)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from projections.readmodel.schema import GENERATION_METADATA_TTL_S_DEFAULT, RESULT_TTL_S_DEFAULT, results_ddl
+from projections.shared.catalog import DEFAULT_CATALOG_PATH, load_catalog
+from projections.shared.kafka_admin import deployment_topics
 from schemas.topics import Topology
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "retention.md"
@@ -22,7 +24,7 @@ def topic_rows() -> dict[str, str]:
 
 def test_every_topic_is_in_the_doc_with_its_exact_configs():
     rows = topic_rows()
-    specs = Topology().all()
+    specs = deployment_topics(Topology(), load_catalog(DEFAULT_CATALOG_PATH))  # the default deployment's
     for spec in specs:
         want = ", ".join(f"{k}={v}" for k, v in spec.configs().items())
         assert rows.get(spec.name) == want, f"docs/retention.md row of {spec.name}: {rows.get(spec.name)!r} != {want!r}"

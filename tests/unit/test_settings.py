@@ -120,7 +120,7 @@ def test_keyword_overrides_and_replace_do_not_read_the_environment(monkeypatch):
     assert s.decision_timeout_s == 1.0 and s.read_model is False
     monkeypatch.setenv("CHATPLANE_EDGE_DECISION_TIMEOUT_S", "abc")  # a replace copies, it does not re-read
     assert dataclasses.replace(s, port=9001).port == 9001
-    worker = WorkerSettings(worker_id="w1", pool="p")
+    worker = WorkerSettings(worker_id="w1", model_alias="m")
     assert dataclasses.replace(worker, slots=2).worker_id == "w1"
     with pytest.raises(SettingsError, match="CHATPLANE_WORKER_RESULT_STORE='redis'"):
         WorkerSettings(result_store="redis")  # a relation checked for code-given values too

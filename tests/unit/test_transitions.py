@@ -28,7 +28,7 @@ from schemas.codes import (
     Tier,
 )
 from schemas.messages import OutcomeKind
-from tests.unit.ledger_dsl import T0, Ledger, types
+from tests.unit.ledger_dsl import T0, TEST_MODELS, Ledger, types
 
 HOUR = 3600 * 1000
 
@@ -53,7 +53,7 @@ def test_new_key_reserves_a_message_takes_a_slot_and_resolves_the_model():
     d = L.submit("k1")
     assert types(d) == ["GenerationAdmitted"]
     admitted_event = d.events[0]
-    assert admitted_event.model_version == "smollm2-135m-instruct-q4_1"
+    assert admitted_event.model_version == TEST_MODELS["fast-text-model"].version
     assert admitted_event.epoch == 1 and admitted_event.window_start_ms == T0
     assert admitted_event.window_end_ms == T0 + 3 * HOUR
     assert d.outcome.details.remaining == 39 and d.outcome.details.reset_at_ms == T0 + 3 * HOUR
@@ -153,8 +153,30 @@ def test_capacity_exhausted_before_any_reservation_then_same_key_retry_reserves(
     assert L.submit("k1").outcome.kind is OutcomeKind.ADMITTED
 
 
+def test_a_retryable_refusal_is_readmitted_into_its_models_pool():
+    # The refusal records the pool of the version it resolved (AdmissionRejected v2), so the same-key
+    # retry is dispatched to the workers of that version; it used to fall back to a pool "default".
+    models = {"m": ModelEntry("m", "m-v1@sha256:0123456789ab", "m-pool", frozenset(Tier))}
+    L = Ledger(policy=Policy(models=models))
+    refused = L.submit("k1", model_alias="m", estimated_queue_wait_ms=L.policy.queue_budget_ms + 1)
+    assert refused.outcome.code is RejectionCode.CAPACITY_EXHAUSTED and refused.events[0].pool == "m-pool"
+    retry = L.submit("k1", model_alias="m")
+    assert types(retry) == ["GenerationAdmitted"] and retry.events[0].pool == "m-pool"
+    assert retry.events[0].model_version == "m-v1@sha256:0123456789ab"
+
+
+def test_a_v1_refusal_without_a_pool_is_readmitted_into_the_pool_serving_its_version():
+    models = {"m": ModelEntry("m", "m-v1", "m-pool", frozenset(Tier))}
+    L = Ledger(policy=Policy(models=models))
+    L.submit("k1", model_alias="m", estimated_queue_wait_ms=L.policy.queue_budget_ms + 1)
+    record = L.state.requests["k1"]
+    L.aggregate = replace(L.aggregate, ledger=replace(L.state, requests={**L.state.requests, "k1": replace(record, pool="")}))
+    retry = L.submit("k1", model_alias="m")
+    assert types(retry) == ["GenerationAdmitted"] and retry.events[0].pool == "m-pool"
+
+
 def test_unknown_model_is_invalid_request_and_tier_policy_gives_model_not_allowed():
-    catalog = {"big": ModelEntry("big", "big-v1", tiers=frozenset({Tier.PAID}))}
+    catalog = {"big": ModelEntry("big", "big-v1", "big", frozenset({Tier.PAID}))}
     L = Ledger(policy=Policy(models=catalog))
     d = L.submit("k1", model_alias="nope")
     assert d.outcome.code is RejectionCode.INVALID_REQUEST and d.outcome.details.field == "model"
@@ -453,9 +475,9 @@ def test_the_model_version_resolved_at_admission_is_kept_for_retries():
     L = Ledger()
     g = admitted(L)
     L.decline(g)
-    L.policy = replace(L.policy, models={"fast-text-model": ModelEntry("fast-text-model", "v2")})
+    L.policy = replace(L.policy, models={"fast-text-model": ModelEntry("fast-text-model", "v2", "v2", frozenset(Tier))})
     retry = L.submit("k1")
-    assert retry.outcome.kind is OutcomeKind.ADMITTED and retry.events[0].model_version == "smollm2-135m-instruct-q4_1"
+    assert retry.outcome.kind is OutcomeKind.ADMITTED and retry.events[0].model_version == TEST_MODELS["fast-text-model"].version
     assert L.submit("k2").events[0].model_version == "v2"
 
 

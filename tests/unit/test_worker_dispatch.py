@@ -7,7 +7,7 @@ from aiokafka import TopicPartition
 
 from schemas.topics import Topology
 from workers.engines.sim import SimConfig, SimulatedEngine
-from workers.registry import default_registry
+from tests.integration.workers_harness import served
 from workers.settings import WorkerSettings
 from workers.worker import Worker, _OffsetTracker
 
@@ -15,7 +15,7 @@ from workers.worker import Worker, _OffsetTracker
 def worker(paid_weight: int, free_min_share: float) -> Worker:
     settings = WorkerSettings(kafka_bootstrap="127.0.0.1:1", topology=Topology("unit"), worker_id="w-unit",
                               paid_weight=paid_weight, free_min_share=free_min_share)
-    return Worker(settings, SimulatedEngine(SimConfig()), default_registry().get("fast-text-model"))
+    return Worker(settings, SimulatedEngine(SimConfig()), served())
 
 
 def take(w: Worker, n: int) -> list[str]:
@@ -111,7 +111,7 @@ async def test_a_freed_slot_is_announced_by_a_heartbeat_at_once_not_at_the_next_
 
     settings = WorkerSettings(kafka_bootstrap="127.0.0.1:1", topology=Topology("unit"), worker_id="w-unit",
                               heartbeat_interval_s=3600.0, heartbeat_min_interval_s=0.0, slots=1)
-    w = Worker(settings, SimulatedEngine(SimConfig()), default_registry().get("fast-text-model"))
+    w = Worker(settings, SimulatedEngine(SimConfig()), served())
     producer = _RecordingProducer()
     producer.arrived = asyncio.Event()
     w.producer = producer  # type: ignore[assignment]

