@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from types import FrameType
 
 import uvicorn
@@ -19,7 +18,7 @@ import uvicorn
 from edge.app import create_app
 from edge.settings import EdgeSettings
 from projections.readmodel.schema import ReadModelSettings
-from projections.shared.settings import SettingsError, exit_on_settings_error
+from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
 
 log = logging.getLogger("chatplane.edge")
 
@@ -55,19 +54,20 @@ class DrainingServer(uvicorn.Server):
 
 def main() -> None:
     try:
+        level = log_level("INFO")
         settings = EdgeSettings()
         if settings.read_model:
             # The read model opens lazily; its settings (CHATPLANE_CASSANDRA_*, ...) are checked now.
             ReadModelSettings()
     except SettingsError as exc:
         exit_on_settings_error(exc)
-    logging.basicConfig(level=os.environ.get("CHATPLANE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app = create_app(settings)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        log_level=os.environ.get("CHATPLANE_LOG_LEVEL", "info").lower(),
+        log_level=level.lower(),
         access_log=False,  # access logs would carry paths with ids only, but the edge logs its own
         timeout_graceful_shutdown=int(settings.drain_deadline_s + settings.drain_cancel_wait_s + 5),
         lifespan="on",

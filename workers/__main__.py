@@ -13,10 +13,9 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 from pathlib import Path
-from typing import assert_never
+from typing import Any, assert_never
 
 import orjson
 
@@ -31,9 +30,16 @@ from projections.shared.catalog import (
     load_catalog,
 )
 from workers.engines.base import Engine
-from projections.shared.settings import SettingsError, exit_on_settings_error
+from projections.shared.settings import SettingsError, env_value, exit_on_settings_error, log_level
 from workers.settings import WorkerSettings
 from workers.worker import MissingTopics, NullResultSink, ResultSink, Worker
+
+
+def _json_object(raw: str) -> dict[str, Any]:
+    value = orjson.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    return value
 
 
 class ServeRefused(RuntimeError):
@@ -56,7 +62,7 @@ def build_engine(model: CatalogModel, weights: Path | None) -> Engine:
             from workers.engines.sglang import SGLangEngine
 
             assert weights is not None
-            args = orjson.loads(os.environ.get("CHATPLANE_SGLANG_ENGINE_ARGS", "{}"))
+            args = dict(env_value("CHATPLANE_SGLANG_ENGINE_ARGS", {}, parse=_json_object, expected="a JSON object"))
             args["model_path"] = str(weights)
             return SGLangEngine(args)
         case _:
@@ -137,12 +143,18 @@ async def amain(engine_name: str | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="chatplane inference worker")
+    engines = [e.value for e in EngineKind]
+    try:
+        engine_default = env_value("CHATPLANE_WORKER_ENGINE", None, kind=str, choices=engines)
+        level = log_level("INFO")
+    except SettingsError as exc:
+        exit_on_settings_error(exc)
     parser.add_argument(
-        "--engine", default=os.environ.get("CHATPLANE_WORKER_ENGINE") or None, choices=[e.value for e in EngineKind],
-        help="must be the catalog's engine for the alias (default: the catalog's)",
+        "--engine", default=engine_default, choices=engines,
+        help="must be the catalog's engine for the alias (default: CHATPLANE_WORKER_ENGINE, else the catalog's)",
     )
     args = parser.parse_args()
-    logging.basicConfig(level=os.environ.get("CHATPLANE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
     try:
         asyncio.run(amain(args.engine))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from control_plane.decide import next_deadline_ms
 from control_plane.routing import route
 from projections.shared.gc_tuning import tune_gc
 from projections.shared.kafka_admin import TopologyError, assert_copartitioned, assert_topology
-from projections.shared.settings import SettingsError, exit_on_settings_error
+from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
 from projections.ledger.settings import ProcessorSettings
 from projections.ledger.table_store import EMPTY_LAYOUT, Layout, TableWrites, is_settled_key, join, plan, unpack_deadline
 from schemas.commands import ReconcileDue
@@ -500,14 +499,14 @@ CLIENT_LOGGERS = ("aiokafka", "faust", "mode")
 def quiet_client_loggers() -> None:
     """The Kafka client libraries log at debug level on every send; the worker's log set-up leaves
     that enabled, and building those records is a tenth of the processor's time."""
-    level = max(logging.WARNING, logging.getLevelName(os.environ.get("CHATPLANE_LOG_LEVEL", "WARNING").upper()))
+    level = max(logging.WARNING, logging.getLevelName(log_level("WARNING")))
     for name in CLIENT_LOGGERS:
         logging.getLogger(name).setLevel(level)
 
 
 def main() -> None:
-    level = os.environ.get("CHATPLANE_LOG_LEVEL", "WARNING").upper()
     try:
+        level = log_level("WARNING")
         settings = ProcessorSettings()
     except SettingsError as exc:
         exit_on_settings_error(exc)

@@ -161,6 +161,14 @@ def setting(
     return dataclasses.field(default_factory=read, metadata={"env": var})
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(default: str) -> str:
+    """``CHATPLANE_LOG_LEVEL`` (any case), one of ``LOG_LEVELS``; each process has its own default."""
+    return str(env_value("CHATPLANE_LOG_LEVEL", default, parse=str.upper, expected="a log level", choices=LOG_LEVELS))
+
+
 def env_var(cls: type, field_name: str) -> str:
     """The variable a settings field is read from (for messages about a relation between fields)."""
     return str(next(f for f in dataclasses.fields(cls) if f.name == field_name).metadata["env"])

@@ -165,8 +165,11 @@ async def test_a_raised_output_token_ceiling_is_honoured_and_documented(monkeypa
         ([sys.executable, "-m", "workers"], "CHATPLANE_WORKER_SLOTS", "abc"),
         ([sys.executable, "-m", "projections.readmodel"], "CHATPLANE_CASSANDRA_PORT", "abc"),
         ([str(ROOT / "infra" / "status")], "CHATPLANE_KAFKA_PORT", "abc"),
+        ([sys.executable, "-m", "edge"], "CHATPLANE_LOG_LEVEL", "loud"),
+        ([sys.executable, "-m", "projections"], "CHATPLANE_LOG_LEVEL", "loud"),
+        ([sys.executable, "-m", "workers"], "CHATPLANE_WORKER_ENGINE", "tpu"),
     ],
-    ids=["edge", "processor", "workers", "readmodel", "infra"],
+    ids=["edge", "processor", "workers", "readmodel", "infra", "edge-log-level", "processor-log-level", "worker-engine"],
 )
 def test_entry_points_exit_2_with_one_line(argv, var, raw):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHATPLANE_")}
