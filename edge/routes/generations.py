@@ -44,8 +44,18 @@ DISCONNECT_POLL_S = 1.0
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 
+# Request bodies are parsed strictly: a value of the wrong JSON type is refused, never converted
+# ("stream": "yes" or "max_output_tokens": "16" is a 400 invalid_request naming the field, not true or
+# 16), and unknown fields are refused. The OpenAPI document says so in each model's description.
+_STRICT = ConfigDict(extra="forbid", strict=True)
+STRICT_PARSING_NOTE = (
+    "Parsed strictly: every field must have its JSON type (a string is never read as a boolean or a "
+    "number), and unknown fields are refused; either is a 400 invalid_request naming the field."
+)
+
+
 class InputMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(**_STRICT, json_schema_extra={"description": STRICT_PARSING_NOTE})
     # A client cannot supply system or developer instructions: the orchestrator installs the
     # model's trusted instructions itself.
     role: Literal["user", "assistant"]
@@ -62,7 +72,7 @@ def request_model(messages_count_max: int, max_output_tokens_max: int) -> type[B
     """
 
     class GenerationRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(**_STRICT, json_schema_extra={"description": STRICT_PARSING_NOTE})
         model: str = Field(min_length=1, max_length=128, examples=["fast-text-model"])
         messages: list[InputMessage] = Field(min_length=1, max_length=messages_count_max)
         stream: bool = False

@@ -96,6 +96,12 @@ def assert_typed(resp: httpx.Response, code: RejectionCode) -> dict:
         ({**BODY, "model": "no-such-model"}, "model"),
         ({**BODY, "extra": 1}, "extra"),
         ({k: v for k, v in BODY.items() if k != "messages"}, "messages"),
+        # Strict parsing (issue 13): a value of the wrong JSON type is refused, never converted.
+        ({**BODY, "stream": "yes"}, "stream"),
+        ({**BODY, "stream": 1}, "stream"),
+        ({**BODY, "max_output_tokens": "16"}, "max_output_tokens"),
+        ({**BODY, "max_output_tokens": 16.0}, "max_output_tokens"),
+        ({**BODY, "max_output_tokens": True}, "max_output_tokens"),
     ],
 )
 async def test_invalid_requests_name_the_field_and_append_nothing(body, field):
@@ -357,6 +363,8 @@ def test_committed_openapi_document_is_current_and_served():
     assert {"400", "401", "409", "429", "503"} <= set(post["responses"]) and "422" not in post["responses"]
     roles = spec["components"]["schemas"]["InputMessage"]["properties"]["role"]
     assert set(roles["enum"]) == {"user", "assistant"}
+    for model in ("GenerationRequest", "InputMessage"):  # the document says bodies are parsed strictly
+        assert "Parsed strictly" in spec["components"]["schemas"][model]["description"]
 
 
 # --- the stream hub: epochs, buffers, terminal only after the processor commits ---------------------
