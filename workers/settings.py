@@ -6,8 +6,9 @@ Every bound has its unit in the name. ``CHATPLANE_*`` variables:
     WORKER_PROMPT_TIMEOUT_S, WORKER_DECISION_TIMEOUT_S, WORKER_GENERATION_DURATION_MAX_S,
     WORKER_ENGINE_STALL_MAX_S, WORKER_SESSION_TIMEOUT_MS, SGLANG_MODEL_PATH, SGLANG_ENGINE_ARGS,
     WORKER_RESULT_STORE (cassandra|none), WORKER_RESULT_PUT_ATTEMPTS_MAX, WORKER_RESULT_PUT_BACKOFF_S,
-    WORKER_RESULT_PUT_DEADLINE_S; the result store's Cassandra (CASSANDRA_HOSTS, CASSANDRA_PORT,
-    CASSANDRA_KEYSPACE, RESULT_TTL_S) is read by ``projections.readmodel.schema.ReadModelSettings``.
+    WORKER_RESULT_PUT_DEADLINE_S, WORKER_ATTEMPT_TRACES_MAX; the result store's Cassandra (CASSANDRA_HOSTS,
+    CASSANDRA_PORT, CASSANDRA_KEYSPACE, RESULT_TTL_S) is read by
+    ``projections.readmodel.schema.ReadModelSettings``.
 Parsed and checked by the shared loader (``projections.shared.settings``): a bad value stops the worker
 at start with one line naming the variable.
 """
@@ -72,6 +73,9 @@ class WorkerSettings:
     result_put_backoff_s: float = setting("CHATPLANE_WORKER_RESULT_PUT_BACKOFF_S", 0.2, ge=0)
     result_put_deadline_s: float = setting("CHATPLANE_WORKER_RESULT_PUT_DEADLINE_S", 4.0, gt=0)
     max_output_tokens_max: int = setting("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", 4096, ge=1)
+    # AttemptTraces kept in Worker.traces (the newest; for tests and benchmarks): one per attempt would
+    # grow without end at thousands of attempts per second, so python -m workers keeps none.
+    attempt_traces_max: int = setting("CHATPLANE_WORKER_ATTEMPT_TRACES_MAX", 0, ge=0)
 
     def __post_init__(self) -> None:
         # Also checked when the value comes from code (the environment's is refused while reading).

@@ -326,7 +326,10 @@ class Worker:
         self._capacity_changed = asyncio.Event()
         self.active: dict[tuple[str, int], _Stop] = {}
         self.preparing = 0  # dispatches taken, not yet accepted or declined
-        self.traces: dict[tuple[str, int], AttemptTrace] = {}
+        # What happened to the newest attempts, for tests and benchmarks: at most
+        # settings.attempt_traces_max of them, oldest dropped first (0, the default of python -m
+        # workers: none kept, since a worker runs millions of attempts a day; on_trace sees each).
+        self.traces: collections.OrderedDict[tuple[str, int], AttemptTrace] = collections.OrderedDict()
         # Attempts stopped before their dispatch was handled here, and why (bounded by FENCED_REMEMBERED_MAX).
         self._fenced: collections.OrderedDict[tuple[str, int], StopReason] = collections.OrderedDict()
         self._decisions: dict[str, asyncio.Future[Outcome]] = {}
@@ -589,6 +592,17 @@ class Worker:
 
     # --- one attempt --------------------------------------------------------------------------------
 
+    def _keep_trace(self, trace: AttemptTrace) -> None:
+        """Keep ``trace`` in ``self.traces`` (bounded by ``attempt_traces_max``, oldest dropped first)."""
+        kept_max = self.settings.attempt_traces_max
+        if kept_max <= 0:
+            return
+        key = (trace.generation_id, trace.epoch)
+        self.traces[key] = trace
+        self.traces.move_to_end(key)
+        while len(self.traces) > kept_max:
+            self.traces.popitem(last=False)
+
     async def _handle(self, tp: TopicPartition, offset: int, value: bytes | None) -> None:
         trace: AttemptTrace | None = None
         committed = False
@@ -605,7 +619,7 @@ class Worker:
                 log.info("dispatch %s epoch %d redelivered while running here: skipped", d.generation_id, d.epoch)
                 return
             trace = AttemptTrace(d.generation_id, d.epoch)
-            self.traces[(d.generation_id, d.epoch)] = trace
+            self._keep_trace(trace)
             attempt = _Attempt(self, d, trace)
             accepted = await attempt.prepare()
             self.preparing -= 1

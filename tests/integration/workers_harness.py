@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0
 EDGE_DECISION_TIMEOUT_S = 15.0
 PROMPT_PARK_S = 1.5
+# Worker.traces kept by the tests' and benchmarks' workers (they read worker.traces[(gid, epoch)]).
+ATTEMPT_TRACES_KEPT_MAX = 10_000
 
 
 def now_ms() -> int:
@@ -143,6 +145,7 @@ def worker_settings(bootstrap: str, topology: Topology, **over: Any) -> WorkerSe
     base: dict[str, Any] = dict(
         kafka_bootstrap=bootstrap, topology=topology, worker_id=f"w-{uuid.uuid4().hex[:8]}",
         model_alias=SIM_ALIAS, heartbeat_interval_s=0.5, renew_interval_s=0.5, session_timeout_ms=6000,
+        attempt_traces_max=ATTEMPT_TRACES_KEPT_MAX,
     )
     base.update(over)
     return WorkerSettings(**base)
