@@ -45,7 +45,11 @@ log = logging.getLogger("chatplane.edge.streams")
 # Background sends (cancels, prompt payloads) in flight at once; beyond this they are dropped and
 # counted, and the processor's deadlines still settle the generation.
 BACKGROUND_SENDS_MAX = 10_000
+# Completed results kept in memory (for GET and same-key retries when the read model is off): their
+# text bytes plus RESULT_ENTRY_OVERHEAD_BYTES each, so that many short or empty results are bounded
+# too (counting the text alone let empty results pile up without end); expired ones go first.
 RESULT_CACHE_BYTES_MAX = 64 * 1024 * 1024
+RESULT_ENTRY_OVERHEAD_BYTES = 256
 # Messages for a generation this edge does not hold yet: the reader can see a worker's prompt request
 # or first delta before the submitting handler has registered the stream its decision admitted
 # (same inbox partition, next loop iteration). They are parked briefly, then dropped.
@@ -283,13 +287,21 @@ class StreamHub:
 
     def _retain_result(self, stream: GenerationStream) -> None:
         text = "".join(stream.result_parts)
-        size = len(text.encode())
-        expires = time.monotonic() + self.settings.policy.result_ttl_ms / 1000
-        self.results[stream.generation_id] = (text, expires)
-        self.results_bytes += size
-        while self.results_bytes > RESULT_CACHE_BYTES_MAX and self.results:
-            _, (old, _) = self.results.popitem(last=False)
-            self.results_bytes -= len(old.encode())
+        now = time.monotonic()
+        self._forget_result(stream.generation_id)
+        self.results[stream.generation_id] = (text, now + self.settings.policy.result_ttl_ms / 1000)
+        self.results_bytes += _result_cost(text)
+        # Oldest first: every entry has the same time to live, so the oldest is also the first to expire.
+        while self.results:
+            oldest_id, (_, expires) = next(iter(self.results.items()))
+            if expires > now and self.results_bytes <= RESULT_CACHE_BYTES_MAX:
+                break
+            self._forget_result(oldest_id)
+
+    def _forget_result(self, generation_id: str) -> None:
+        item = self.results.pop(generation_id, None)
+        if item is not None:
+            self.results_bytes -= _result_cost(item[0])
 
     def result_of(self, generation_id: str) -> str | None:
         item = self.results.get(generation_id)
@@ -447,6 +459,11 @@ class StreamHub:
     async def flush_background(self, timeout_s: float = 5.0) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
+
+
+def _result_cost(text: str) -> int:
+    """What one retained result counts against ``RESULT_CACHE_BYTES_MAX``."""
+    return len(text.encode()) + RESULT_ENTRY_OVERHEAD_BYTES
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

@@ -28,7 +28,7 @@ from edge.deps import CurrentPrincipal, IdempotencyKey
 from edge.errors import DRAINING_RETRY_AFTER_S, ApiError
 from edge.fingerprint import fingerprint
 from edge.settings import EdgeSettings
-from edge.streams import GenerationStream, GenerationView
+from edge.streams import GenerationStream, GenerationView, StreamHub
 from projections.shared.command_client import DecisionTimeout, TooManyPending
 from schemas.codes import REJECTIONS, RejectionCode, RequestStatus
 from schemas.commands import CancelGeneration, SubmitGeneration
@@ -272,8 +272,29 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
     edge.hub.hold(stream)
     headers = {"X-Request-Id": request_id}
     if req.stream:
-        return StreamingResponse(edge.hub.frames(stream), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return HeldStreamResponse(edge.hub, stream, headers={**SSE_HEADERS, **headers})
     return await _collect(edge, request, stream, headers)
+
+
+class HeldStreamResponse(StreamingResponse):
+    """The SSE answer of a held stream, which lets go of the stream however the response ends.
+
+    ``StreamHub.frames`` releases the stream when its iteration ends, but Starlette never starts that
+    iteration when the client is gone before the headers are written (``send`` raises, or the
+    disconnect listener wins), and a generator never started runs no ``finally``: the stream, its
+    buffered frames and its place under ``streams_max`` were then held until the process ended.
+    ``StreamHub.release`` is idempotent, so the normal path releases once.
+    """
+
+    def __init__(self, hub: StreamHub, stream: GenerationStream, headers: dict[str, str]) -> None:
+        super().__init__(hub.frames(stream), media_type="text/event-stream", headers=headers)
+        self.hub, self.stream = hub, stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.hub.release(self.stream)
 
 
 async def _collect(edge: Any, request: Request, stream: GenerationStream, headers: dict[str, str]) -> Response:

@@ -485,6 +485,68 @@ async def test_hub_heartbeats_while_idle_and_releases_on_disconnect():
     assert "g1" not in hub.streams
 
 
+# --- issue 13: nothing per generation outlives it without a bound -----------------------------------
+
+
+async def test_a_stream_whose_client_left_before_the_headers_is_still_released():
+    """Starlette never iterates the SSE body when writing the headers fails (the client is gone): the
+    held stream must be released all the same, or it and its buffered bytes stay held forever."""
+    import contextlib
+
+    admitted = lambda c: Outcome(command_id=c.command_id, kind=OutcomeKind.ADMITTED, generation_id="g1", epoch=1, model_version="v")  # noqa: E731
+    settings, app, fake, _ = make(answer=admitted, disconnect_grace_s=0.0, generation_wait_s_max=0.2)
+    hub = app.state.edge.hub
+    hub.client = fake  # the cancel after the grace goes through it (set by the lifespan, not run here)
+    body = json.dumps({**BODY, "stream": True}).encode()
+    headers = [(k.lower().encode(), v.encode()) for k, v in hdrs(settings).items()]
+    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/generations", "raw_path": b"/v1/generations", "root_path": "", "query_string": b"",
+        "headers": headers, "client": ("127.0.0.1", 50000), "server": ("edge", 80),
+    }
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        if message["type"] == "http.response.start" and message["status"] == 200:
+            raise OSError("connection reset by peer")  # what uvicorn raises once the client is gone
+
+    with contextlib.suppress(Exception):
+        await app(scope, receive, send)
+    await hub.flush_background()
+    assert "g1" not in hub.streams and hub.aggregate_bytes == 0
+    assert [(c.generation_id, c.reason.value) for c in fake.commands[1:]] == [("g1", "client_disconnect")]
+
+
+async def test_retained_results_are_bounded_in_count_and_dropped_once_expired(monkeypatch):
+    import dataclasses
+
+    from edge import streams
+
+    monkeypatch.setattr(streams, "RESULT_CACHE_BYTES_MAX", 10 * streams.RESULT_ENTRY_OVERHEAD_BYTES)
+    hub = make_hub()
+    for i in range(100):  # empty results: their text alone counts nothing
+        held(hub, f"g{i}")
+        hub.on_message(finalized(gid=f"g{i}"))
+    assert list(hub.results) == [f"g{i}" for i in range(90, 100)]
+    assert hub.results_bytes == 10 * streams.RESULT_ENTRY_OVERHEAD_BYTES
+
+    settings = EdgeSettings(capacity_check=False, read_model=False)
+    hub = make_hub(policy=dataclasses.replace(settings.policy, result_ttl_ms=20))
+    for i in range(5):
+        held(hub, f"g{i}")
+        hub.on_message(finalized(gid=f"g{i}"))
+    await asyncio.sleep(0.05)
+    held(hub, "g5")
+    hub.on_message(finalized(gid="g5"))
+    assert list(hub.results) == ["g5"] and hub.results_bytes == streams.RESULT_ENTRY_OVERHEAD_BYTES
+
+
 # --- issue 5 checklist: codes, Retry-After, tokenizer, metrics, result bytes ----------------------
 
 
