@@ -176,14 +176,41 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def recorded_pid(cfg: Config, name: str, main_class: str) -> int | None:
-    """The pid in .run/<name>.pid if that process is alive and is really our server."""
-    f = pid_file(cfg, name)
+# Process states (the third field of /proc/<pid>/stat) of a process that has exited: a zombie, whose
+# parent has not reaped it yet, and a dead one. ``kill -0`` still succeeds on a zombie.
+EXITED_STATES = frozenset({"Z", "X", "x"})
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that runs: it exists and has not exited (a zombie is dead).
+
+    The same check as ``pid_alive`` in ``infra/_procs`` (the bash scripts'), from ``/proc/<pid>/stat``.
+    """
     try:
-        pid = int(f.read_text().strip())
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # "pid (comm) state ...": comm may hold spaces and parentheses, so the state follows the last ")".
+    fields = stat.rpartition(")")[2].split()
+    return bool(fields) and fields[0] not in EXITED_STATES
+
+
+def _running(pid: int, marker: str) -> bool:
+    """Whether ``pid`` runs and its command line holds ``marker`` (a recycled pid runs something else)."""
+    return process_alive(pid) and marker in _cmdline(pid)
+
+
+def _read_pid(f: Path) -> int | None:
+    try:
+        return int(f.read_text().strip())
     except (OSError, ValueError):
         return None
-    if main_class in _cmdline(pid):
+
+
+def recorded_pid(cfg: Config, name: str, main_class: str) -> int | None:
+    """The pid in .run/<name>.pid if that process is alive and is really our server."""
+    pid = _read_pid(pid_file(cfg, name))
+    if pid is not None and _running(pid, main_class):
         return pid
     return None
 
@@ -212,12 +239,12 @@ def stop_pid(pid: int, name: str, main_class: str, timeout_s: float = STOP_TIMEO
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if main_class not in _cmdline(pid):
+        if not _running(pid, main_class):
             return
         time.sleep(POLL_INTERVAL_S)
     say(f"{name} pid={pid} did not stop within {timeout_s:.0f}s: SIGKILL")
     os.kill(pid, signal.SIGKILL)
-    while main_class in _cmdline(pid):
+    while _running(pid, main_class):
         time.sleep(POLL_INTERVAL_S)
 
 
@@ -718,7 +745,27 @@ def create_topics(cfg: Config) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+# What infra/component-start runs (python -m <module>): the marker of a component's command line.
+COMPONENT_MARKER = "-m "
+
+
+def component_states(cfg: Config) -> dict[str, tuple[int | None, bool]]:
+    """Every component infra/component-start recorded in the run directory: name -> (pid, running).
+
+    A component whose recorded process exited (a zombie included) is not running, whatever
+    ``kill -0`` says.
+    """
+    out: dict[str, tuple[int | None, bool]] = {}
+    for f in sorted(cfg.run_dir.glob("*.pid")):
+        if f.stem in ("kafka", "cassandra"):
+            continue
+        pid = _read_pid(f)
+        out[f.stem] = (pid, pid is not None and _running(pid, COMPONENT_MARKER))
+    return out
+
+
 def status(cfg: Config) -> int:
+    """The servers (answering a real request) and the recorded components: 0 when all are up."""
     k = kafka_probe_quiet(cfg.kafka_bootstrap)
     c = cassandra_probe_quiet(cfg.cassandra_hosts, cfg.cassandra_port)
     kp = recorded_pid(cfg, "kafka", KAFKA_MAIN)
@@ -726,7 +773,10 @@ def status(cfg: Config) -> int:
     say(f"kafka     {cfg.kafka_bootstrap:<22} {'ready' if k else 'DOWN'}{f' pid={kp}' if kp else ''}")
     hp = f"{cfg.cassandra_hosts[0]}:{cfg.cassandra_port}"
     say(f"cassandra {hp:<22} {'ready' if c else 'DOWN'}{f' pid={cp}' if cp else ''}")
-    return 0 if (k and c) else 1
+    components = component_states(cfg)
+    for name, (pid, running) in components.items():
+        say(f"{name:<9} {'running' if running else 'DEAD':<22} pid={pid} ({pid_file(cfg, name)})")
+    return 0 if (k and c and all(running for _, running in components.values())) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
