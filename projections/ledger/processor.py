@@ -19,6 +19,10 @@ commands whose outputs are all in the log; commands after it are redelivered and
 from that state, with the same derived ids. (Writing the table first lost the ledger events of a
 command whose state reached the changelog while its events did not; its redelivery was skipped as
 already applied and the audit found the table ahead of the ledger.)
+
+faust is used here through its public API; every place the processor goes around it (the raw
+producer, the table's changelog and store, the consumer's gap bookkeeping, the Monitor sensor, the
+consumer's assignment) is a function of ``faust_adapter``, which says why and what it relies on.
 """
 
 from __future__ import annotations
@@ -32,12 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable
 
 import faust
-from faust.types import TP
 from aiokafka.partitioner import murmur2
 
 from control_plane.aggregate import Aggregate, handle
 from control_plane.decide import next_deadline_ms
 from control_plane.routing import route
+from projections.ledger import faust_adapter
 from projections.shared.gc_tuning import tune_gc
 from projections.shared.kafka_admin import TopologyError, assert_copartitioned, assert_topology
 from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
@@ -132,7 +136,6 @@ class AdmissionProcessor:
         # the newest aggregate decided here that is not yet written to the table (ahead of it).
         self._pending: deque[_Pending] = deque()
         self._unwritten: dict[bytes, tuple[Aggregate, Layout]] = {}
-        self.changelog_topic = self.table.changelog_topic_name
         # partition -> the offset the next command of it must have (from the committed offset at
         # assignment, then the last delivered one); a larger offset reveals commands faust skipped.
         self._expected: dict[int, int] = {}
@@ -152,8 +155,7 @@ class AdmissionProcessor:
         """Run once when the agent starts (faust.Worker owns ``app.on_startup_finished``)."""
         # faust's built-in Monitor sensor records statistics on every message in and out; nothing
         # here reads them, and on two cores they cost a measurable share of each command.
-        if self.app.monitor in self.app.sensors:
-            self.app.sensors.remove(self.app.monitor)
+        faust_adapter.remove_monitor_sensor(self.app)
         quiet_client_loggers()
         tune_gc(self.settings.gc_gen0_threshold)
         log.info("processor %s ready", self.settings.instance_id)
@@ -322,8 +324,8 @@ class AdmissionProcessor:
                     await stream.ack(head.event)
                 elif head.skipped is not None:
                     # faust never saw these offsets: without this its commit stays behind them.
-                    tp = TP(self.topology.commands.name, head.partition)
-                    await self.app.consumer._add_gap(tp, *head.skipped)  # noqa: SLF001
+                    first, last = head.skipped
+                    await faust_adapter.mark_offsets_handled(self.app, self.topology.commands.name, head.partition, first, last)
                 if len(pending) < limit:
                     self._pending_room.set()
         except asyncio.CancelledError:
@@ -342,14 +344,13 @@ class AdmissionProcessor:
         (``Table.send_changelog`` -> ``send_soon``): faust flushes that buffer before a commit but
         gives up after 0.1 s without a sent message (``ProducerBuffer.flush_atmost``), so under load
         an offset could be committed ahead of the state it implies. What is in the producer when the
-        command is acked is flushed by the commit (aiokafka's ``flush`` waits for every batch)."""
-        send, topic, data = self.app.producer.send, self.changelog_topic, self.table.data
+        command is acked is flushed by the commit (aiokafka's ``flush`` waits for every batch). See
+        ``faust_adapter.put_table_entry`` for what of faust this relies on."""
+        app, table = self.app, self.table
         for key, value in writes.puts:
-            await send(topic, key, value, partition, None, None)
-            data[key] = value
+            await faust_adapter.put_table_entry(app, table, partition, key, value)
         for key in writes.deletes:
-            await send(topic, key, None, partition, None, None)
-            data.pop(key, None)
+            await faust_adapter.delete_table_entry(app, table, partition, key)
 
     def _aggregate(self, key: bytes, user_id: str) -> tuple[Aggregate, Layout]:
         unwritten = self._unwritten.get(key)
@@ -414,9 +415,8 @@ class AdmissionProcessor:
                 self._deadlines.pop(user_key, None)
             else:
                 self._deadlines[user_key] = deadline
-        producer = self.app.producer
         for out in route(self.topology, before.ledger, after.ledger, command, decision, partition):
-            pending.sends.append(await producer.send(out.topic, out.key, out.value, out.partition, None, None))
+            pending.sends.append(await faust_adapter.send_record(self.app, out.topic, out.key, out.value, out.partition))
         return pending
 
     async def _dead_letter(
@@ -435,19 +435,12 @@ class AdmissionProcessor:
             "value_b64": base64.b64encode(value[:DEAD_LETTER_VALUE_BYTES_MAX]).decode(),
             "value_bytes": len(value),
         }
-        return await self.app.producer.send(self.topology.dead_letter.name, key, encode(record), None, None, None)
+        return await faust_adapter.send_record(self.app, self.topology.dead_letter.name, key, encode(record), None)
 
     # --- the deadline timer -----------------------------------------------------------------
 
-    def _assigned_partitions(self) -> set[int]:
-        try:
-            assignment = self.app.consumer.assignment()
-        except Exception:  # noqa: BLE001 - not started or mid-rebalance: nothing is ours yet
-            return set()
-        return {tp.partition for tp in assignment if tp.topic == self.topology.commands.name}
-
     def _rescan(self) -> None:
-        assigned = self._assigned_partitions()
+        assigned = faust_adapter.assigned_partitions(self.app, self.topology.commands.name)
         if not assigned:
             return
         deadlines: dict[bytes, int] = {}
@@ -481,7 +474,7 @@ class AdmissionProcessor:
                 issued_at_ms=now_ms,
                 as_of_ms=now_ms,
             )
-            await self.app.producer.send(self.topology.commands.name, key, encode(command), None, None, None)
+            await faust_adapter.send_record(self.app, self.topology.commands.name, key, encode(command), None)
             self._deadlines[key] = now_ms + self.settings.reconcile_resend_ms
             self.stats.reconciles_appended += 1
 
