@@ -377,3 +377,21 @@ async def test_chunks_that_come_while_a_delta_is_in_flight_share_the_next_delta(
             counts[coalesce] = len(deltas)
     assert counts[0] == tokens, counts
     assert counts[4096] < tokens // 2, counts
+
+
+async def test_the_worker_keeps_no_trace_per_attempt_beyond_its_bound(kafka_bootstrap, topology, edge):
+    """Issue 13: one AttemptTrace per attempt, kept forever, grew without end; ``Worker.traces`` keeps
+    at most ``attempt_traces_max`` (0, none, in ``python -m workers``) while every attempt completes
+    and ``on_trace`` still sees each one."""
+    generations = 6
+    cfg = SimConfig(ttft_ms=5, inter_token_ms=2, jitter_ms=0, output_tokens=4)
+    for kept_max in (0, 2):
+        seen: list = []
+        settings = worker_settings(kafka_bootstrap, topology, attempt_traces_max=kept_max)
+        async with Worker(settings, SimulatedEngine(cfg), served(), on_trace=seen.append) as worker:
+            gids = [await edge.submit(user()) for _ in range(generations)]
+            for g in gids:
+                assert (await edge.wait_finalized(g)).status is RequestStatus.COMPLETED
+            await edge.wait_for(lambda: len(seen) == generations, what="every attempt's trace handed to on_trace")
+            assert {t.generation_id for t in seen} == set(gids)
+            assert len(worker.traces) == kept_max and set(worker.traces) <= {(g, 1) for g in gids}
