@@ -42,7 +42,12 @@ cpu-runtime: venv
 jars:
 	@infra/fetch
 
+# `make up` is a development stack: its components may use the edge's built-in development secrets
+# (CHATPLANE_DEV_MODE, docs/edge.md "Authentication"); a value already in the environment is kept.
+up: export CHATPLANE_DEV_MODE := $(or $(CHATPLANE_DEV_MODE),1)
 up: venv cpu-runtime jars
+	@if [ "$$CHATPLANE_DEV_MODE" = 1 ] || [ "$$CHATPLANE_DEV_MODE" = true ]; then \
+	  echo "development mode is on (CHATPLANE_DEV_MODE=$$CHATPLANE_DEV_MODE): unset secrets fall back to the built-in development ones"; fi
 	@infra/kafka-start
 	@infra/cassandra-start
 	@infra/create-topics
@@ -60,6 +65,7 @@ up: venv cpu-runtime jars
 	@echo "  Cassandra  $${CHATPLANE_CASSANDRA_HOSTS:-127.0.0.1}:$${CHATPLANE_CASSANDRA_PORT:-9042}   (logs var/cassandra/logs/)"
 	@if [ -f edge/__main__.py ]; then echo "  API        http://127.0.0.1:$(EDGE_PORT)/"; else echo "  API        (edge not built yet)"; fi
 	@echo "  pids       .run/    component logs var/log/    stop with: make down"
+	@echo "  dev mode   CHATPLANE_DEV_MODE=$$CHATPLANE_DEV_MODE   (tokens: CHATPLANE_DEV_MODE=1 .venv/bin/python -m edge.mint_token --user alice)"
 
 down:
 	@infra/component-stop edge

@@ -62,6 +62,8 @@ def main() -> None:
     except SettingsError as exc:
         exit_on_settings_error(exc)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if settings.uses_dev_secrets:
+        log.warning("development mode: built-in development secrets in use (never outside a development machine)")
     app = create_app(settings)
     config = uvicorn.Config(
         app,

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 from control_plane.policy import Policy
 from projections.shared.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
-from projections.shared.settings import policy_from_env, setting
+from projections.shared.settings import DEV_MODE_ENV, SettingsError, env_var, policy_from_env, setting
 from schemas.topics import Topology
 
-# Development default for HS256 tokens; a deployment sets CHATPLANE_EDGE_JWT_SECRET (or a JWKS).
+# Built-in secrets, used only in development mode (CHATPLANE_DEV_MODE=1, set by `make up` and the tests)
+# when the real ones are unset. Anywhere else an unset secret stops the edge at start (__post_init__):
+# a public default would let anyone mint tokens or link request fingerprints.
 DEV_JWT_SECRET = "chatplane-local-development-secret-change-me"
 DEV_FINGERPRINT_KEY = "chatplane-local-fingerprint-key-change-me"
 PORT_MAX = 65_535
@@ -32,9 +34,13 @@ class EdgeSettings:
     host: str = setting("CHATPLANE_EDGE_HOST", "127.0.0.1")
     port: int = setting("CHATPLANE_EDGE_PORT", 8080, ge=1, le=PORT_MAX)
 
-    # Authentication: HS256 with a shared secret (local), or RS256 against a JWKS (production).
+    # Development mode: unset secrets fall back to the built-in ones (DEV_JWT_SECRET, DEV_FINGERPRINT_KEY).
+    dev_mode: bool = setting(DEV_MODE_ENV, False)
+
+    # Authentication: HS256 with a shared secret (local), or RS256 against a JWKS (production). Only
+    # what the algorithm needs is required: the secret for HS256, the JWKS file for RS256.
     jwt_algorithm: str = setting("CHATPLANE_EDGE_JWT_ALGORITHM", "HS256", choices=("HS256", "RS256"))
-    jwt_secret: str = setting("CHATPLANE_EDGE_JWT_SECRET", DEV_JWT_SECRET)
+    jwt_secret: str = setting("CHATPLANE_EDGE_JWT_SECRET", "")
     jwks_path: str = setting("CHATPLANE_EDGE_JWKS_PATH", "")
     jwt_issuer: str = setting("CHATPLANE_EDGE_JWT_ISSUER", "chatplane-local")
     jwt_audience: str = setting("CHATPLANE_EDGE_JWT_AUDIENCE", "chatplane-edge")
@@ -43,7 +49,8 @@ class EdgeSettings:
     # Cyclic GC (projections.shared.gc_tuning.tune_gc): young-generation size; 0 keeps Python's settings.
     gc_gen0_threshold: int = setting("CHATPLANE_EDGE_GC_GEN0_THRESHOLD", GC_GEN0_THRESHOLD_DEFAULT, ge=0)
 
-    fingerprint_key: str = setting("CHATPLANE_FINGERPRINT_KEY", DEV_FINGERPRINT_KEY)
+    # Keys the request fingerprints (idempotency-key reuse checks); needed whatever the token algorithm.
+    fingerprint_key: str = setting("CHATPLANE_FINGERPRINT_KEY", "")
 
     # Bounds checked before any work.
     request_body_bytes_max: int = setting("CHATPLANE_EDGE_REQUEST_BODY_BYTES_MAX", 256 * 1024, ge=1)
@@ -89,3 +96,31 @@ class EdgeSettings:
     recent_generations_max: int = setting("CHATPLANE_EDGE_RECENT_GENERATIONS_MAX", 100_000, ge=0)
 
     policy: Policy = field(default_factory=policy_from_env)
+
+    def __post_init__(self) -> None:
+        # Also checked for values passed from code: a missing secret stops the process before it serves
+        # anything. Frozen, so a development stand-in is set through object.__setattr__.
+        if self.jwt_algorithm == "HS256":
+            object.__setattr__(self, "jwt_secret", self._secret("jwt_secret", DEV_JWT_SECRET, "HS256 tokens need it"))
+        elif not self.jwks_path:
+            raise SettingsError(f"{env_var(EdgeSettings, 'jwks_path')} is unset: RS256 tokens are verified against a JWKS file")
+        object.__setattr__(
+            self, "fingerprint_key", self._secret("fingerprint_key", DEV_FINGERPRINT_KEY, "request fingerprints need it")
+        )
+
+    def _secret(self, field_name: str, built_in: str, why: str) -> str:
+        """The field's secret; the built-in one stands in only in development mode, and only there is it accepted."""
+        value = str(getattr(self, field_name))
+        if self.dev_mode:
+            return value or built_in
+        var = env_var(EdgeSettings, field_name)
+        if not value:
+            raise SettingsError(f"{var} is unset: {why} (built-in development secrets only with {DEV_MODE_ENV}=1)")
+        if value == built_in:
+            raise SettingsError(f"{var} is the public built-in development secret (accepted only with {DEV_MODE_ENV}=1)")
+        return value
+
+    @property
+    def uses_dev_secrets(self) -> bool:
+        """Whether a built-in development secret is in use (the edge logs a warning at start)."""
+        return self.jwt_secret == DEV_JWT_SECRET or self.fingerprint_key == DEV_FINGERPRINT_KEY

@@ -46,6 +46,10 @@ from tests.models import TEST_CATALOG_PATH  # noqa: E402
 
 os.environ["CHATPLANE_MODEL_CATALOG"] = str(TEST_CATALOG_PATH)
 
+# The run is a development setting: the edges it builds and starts may use the built-in development
+# secrets (edge.settings). Tests of the refusal outside development mode unset it themselves.
+os.environ["CHATPLANE_DEV_MODE"] = "1"
+
 # Bounds on the infra start/stop scripts (they have their own ready timeouts inside, which are
 # shorter; these only guard against a hung script).
 SERVER_START_SCRIPT_TIMEOUT_S = 600.0

@@ -161,6 +161,11 @@ def setting(
     return dataclasses.field(default_factory=read, metadata={"env": var})
 
 
+# The one development switch (strict bool, default off; `make up` and the tests set it to 1). It only
+# allows development conveniences, such as the edge's built-in secrets standing in for unset ones;
+# without it every process requires its real secrets and refuses to start without them.
+DEV_MODE_ENV = "CHATPLANE_DEV_MODE"
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 

@@ -251,10 +251,11 @@ class EdgeProcess:
             "CHATPLANE_EDGE_CAPACITY_CHECK": "0",
             "CHATPLANE_EDGE_READ_MODEL": "0",
             "CHATPLANE_EDGE_DECISION_TIMEOUT_S": "10",
+            "CHATPLANE_DEV_MODE": "1",  # also when a bench script starts it without tests/conftest.py
             "PYTHONUNBUFFERED": "1",
             **{k: str(v) for k, v in env.items()},
         }
-        self.settings = EdgeSettings(kafka_bootstrap=bootstrap, topology=topology)
+        self.settings = EdgeSettings(kafka_bootstrap=bootstrap, topology=topology, dev_mode=True)
         self.proc: subprocess.Popen[bytes] | None = None
 
     async def start(self) -> None:

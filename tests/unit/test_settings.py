@@ -21,7 +21,8 @@ from edge.app import create_app
 from edge.settings import EdgeSettings
 from projections.ledger.settings import ProcessorSettings
 from projections.readmodel.schema import ReadModelSettings
-from projections.shared.settings import SETTINGS_ERROR_EXIT_STATUS, SettingsError, env_value, policy_from_env
+from edge.settings import DEV_FINGERPRINT_KEY, DEV_JWT_SECRET
+from projections.shared.settings import DEV_MODE_ENV, SETTINGS_ERROR_EXIT_STATUS, SettingsError, env_value, policy_from_env
 from schemas.codes import RejectionCode
 from tests.unit.test_edge import BODY, FakeDecider, assert_typed, hdrs
 from workers.engines.sim import SimConfig
@@ -33,9 +34,11 @@ ENTRY_POINT_TIMEOUT_S = 120
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    """Each test starts from the defaults: no CHATPLANE_* variable from the calling shell."""
+    """Each test starts from the defaults: no CHATPLANE_* variable from the calling shell, but development
+    mode as in the whole run (tests/conftest.py), so the edge may use its built-in secrets."""
     for name in [n for n in os.environ if n.startswith("CHATPLANE_")]:
         monkeypatch.delenv(name)
+    monkeypatch.setenv(DEV_MODE_ENV, "1")
 
 
 # --- the loader's rules -----------------------------------------------------------------------------
@@ -55,6 +58,7 @@ def test_a_value_that_does_not_parse_is_one_line_naming_the_variable(monkeypatch
         (EdgeSettings, "CHATPLANE_EDGE_DECISION_TIMEOUT_S", "0", "a number > 0"),
         (EdgeSettings, "CHATPLANE_EDGE_READ_MODEL", "yes", '"1", "true", "0" or "false"'),
         (EdgeSettings, "CHATPLANE_EDGE_JWT_ALGORITHM", "none", "one of HS256, RS256"),
+        (EdgeSettings, "CHATPLANE_DEV_MODE", "yes", '"1", "true", "0" or "false"'),
         (EdgeSettings, "CHATPLANE_MAX_OUTPUT_TOKENS_MAX", "0", "an integer >= 1"),  # the shared policy
         (ProcessorSettings, "CHATPLANE_PROCESSOR_SESSION_TIMEOUT_S", "-1", "a number > 0"),
         (ProcessorSettings, "CHATPLANE_PROCESSOR_PENDING_MAX", "2k", "an integer"),
@@ -132,6 +136,70 @@ def test_the_policy_is_built_by_the_same_loader(monkeypatch):
     policy = policy_from_env()
     assert policy.queue_wait_max_ms == 3000 and policy.max_output_tokens_max == 8192
     assert EdgeSettings().policy.max_output_tokens_max == ProcessorSettings().policy.max_output_tokens_max == 8192
+
+
+# --- secrets: required outside development mode ------------------------------------------------------
+
+
+def test_outside_dev_mode_each_unset_secret_stops_the_edge_in_one_line_naming_it(monkeypatch):
+    monkeypatch.delenv(DEV_MODE_ENV)
+    with pytest.raises(SettingsError) as caught:
+        EdgeSettings()
+    assert str(caught.value).startswith("CHATPLANE_EDGE_JWT_SECRET is unset: ") and "\n" not in str(caught.value)
+    monkeypatch.setenv("CHATPLANE_EDGE_JWT_SECRET", "s" * 32)
+    with pytest.raises(SettingsError, match="^CHATPLANE_FINGERPRINT_KEY is unset: "):
+        EdgeSettings()
+    monkeypatch.setenv("CHATPLANE_FINGERPRINT_KEY", "f" * 32)
+    s = EdgeSettings()
+    assert (s.jwt_secret, s.fingerprint_key, s.uses_dev_secrets) == ("s" * 32, "f" * 32, False)
+    with pytest.raises(SettingsError, match="^CHATPLANE_EDGE_JWT_SECRET is unset: "):
+        EdgeSettings(jwt_secret="")  # checked for values from code too
+
+
+def test_dev_mode_is_explicit_and_allows_the_built_in_secrets_only_when_unset(monkeypatch):
+    s = EdgeSettings()
+    assert (s.dev_mode, s.jwt_secret, s.fingerprint_key, s.uses_dev_secrets) == (True, DEV_JWT_SECRET, DEV_FINGERPRINT_KEY, True)
+    monkeypatch.setenv("CHATPLANE_EDGE_JWT_SECRET", "s" * 32)
+    assert EdgeSettings().jwt_secret == "s" * 32
+    monkeypatch.setenv(DEV_MODE_ENV, "0")
+    monkeypatch.setenv("CHATPLANE_FINGERPRINT_KEY", DEV_FINGERPRINT_KEY)  # the public value, copied by hand
+    with pytest.raises(SettingsError, match="^CHATPLANE_FINGERPRINT_KEY is the public built-in development secret"):
+        EdgeSettings()
+    monkeypatch.delenv(DEV_MODE_ENV)
+    assert EdgeSettings.__dataclass_fields__["dev_mode"].default_factory() is False  # off by default
+
+
+def test_only_what_the_token_algorithm_needs_is_required(monkeypatch, tmp_path):
+    monkeypatch.delenv(DEV_MODE_ENV)
+    monkeypatch.setenv("CHATPLANE_FINGERPRINT_KEY", "f" * 32)
+    monkeypatch.setenv("CHATPLANE_EDGE_JWT_ALGORITHM", "RS256")
+    with pytest.raises(SettingsError, match="^CHATPLANE_EDGE_JWKS_PATH is unset: "):
+        EdgeSettings()
+    monkeypatch.setenv("CHATPLANE_EDGE_JWKS_PATH", str(tmp_path / "jwks.json"))
+    assert EdgeSettings().jwt_secret == ""  # no HS256 secret needed, none made up
+
+
+@pytest.mark.parametrize("module", ["edge", "edge.mint_token"])
+def test_the_edge_and_the_mint_command_refuse_to_start_without_secrets_outside_dev_mode(module):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATPLANE_")}
+    done = subprocess.run([sys.executable, "-m", module, *(["--user", "a"] if module == "edge.mint_token" else [])],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=ENTRY_POINT_TIMEOUT_S)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == SETTINGS_ERROR_EXIT_STATUS, done.stderr
+    assert len(lines) == 1 and lines[0].startswith("CHATPLANE_EDGE_JWT_SECRET is unset: "), done.stderr
+    assert done.stdout == ""  # no token minted
+
+
+def test_in_dev_mode_the_edge_gets_past_its_settings_and_says_so():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATPLANE_")}
+    # No broker at this address: the edge stops at Kafka, after its settings were accepted.
+    env |= {DEV_MODE_ENV: "1", "CHATPLANE_KAFKA_BOOTSTRAP": "127.0.0.1:1", "CHATPLANE_EDGE_READ_MODEL": "0",
+            "CHATPLANE_EDGE_PORT": "1"}
+    done = subprocess.run([sys.executable, "-m", "edge"], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=ENTRY_POINT_TIMEOUT_S)
+    assert done.returncode not in (0, SETTINGS_ERROR_EXIT_STATUS), done.stderr
+    assert "development mode: built-in development secrets in use" in done.stderr
+    assert "is unset" not in done.stderr
 
 
 # --- API bounds come from the settings --------------------------------------------------------------
