@@ -19,6 +19,7 @@ from edge.capacity import NO_CAPACITY_WAIT_MS
 from schemas.codes import REJECTIONS, RejectionCode
 from tests.integration.test_edge_harness import edge_settings, serve_edge
 from tests.integration.workers_harness import WorkerProcess
+from tests.models import SIM_POOL
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +48,7 @@ async def test_one_slot_worker_admits_back_to_back_requests_and_refuses_while_bu
         async with serve_edge(edge_settings(kafka_bootstrap, topology, capacity_check=True)) as e, e.http() as http:
             view = e.app.state.edge.capacity
             deadline = time.monotonic() + HEARTBEAT_WAIT_S
-            while view.estimate_wait_ms("default") == NO_CAPACITY_WAIT_MS:
+            while view.estimate_wait_ms(SIM_POOL) == NO_CAPACITY_WAIT_MS:
                 assert time.monotonic() < deadline, f"no heartbeat from the worker\n{worker.log()}"
                 await asyncio.sleep(POLL_S)
 
@@ -64,7 +65,7 @@ async def test_one_slot_worker_admits_back_to_back_requests_and_refuses_while_bu
                     if line.startswith("event: generation.text.delta"):
                         break
                 deadline = time.monotonic() + HEARTBEAT_WAIT_S
-                while view.estimate_wait_ms("default") == 0:  # the "0 free" heartbeat is on its way
+                while view.estimate_wait_ms(SIM_POOL) == 0:  # the "0 free" heartbeat is on its way
                     assert time.monotonic() < deadline, "the busy slot was never announced"
                     await asyncio.sleep(POLL_S)
                 refused = await http.post("/v1/generations", json=body(), headers=e.headers(user, "busy-1"))

@@ -11,6 +11,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from projections.ledger.audit import audit
+from projections.shared.catalog import load_catalog
 from projections.shared.topic_reader import read_topic
 from projections.shared.command_client import CommandClient, DecisionTimeout
 from schemas import commands as cmd
@@ -62,8 +63,9 @@ async def test_submit_decision_round_trip_through_kafka(kafka_bootstrap, topolog
     await wait_until_deciding(client)
     outcome = await client.decide(submit(client, "alice", "k1"))
     assert outcome.kind is OutcomeKind.ADMITTED and outcome.status is RequestStatus.QUEUED
-    assert outcome.model_version == "smollm2-135m-instruct-q4_1"
-    dispatch = [decode_message(r[3]) for r in await read_topic(kafka_bootstrap, topology.dispatch("default", "free"))]
+    model = load_catalog().get("fast-text-model")  # the tests' catalog, as the processor reads it
+    assert outcome.model_version == model.version == "smollm2-135m-instruct-q4_1@sha256:b179c9523d0e"
+    dispatch = [decode_message(r[3]) for r in await read_topic(kafka_bootstrap, topology.dispatch(model.pool, "free"))]
     assert [d.generation_id for d in dispatch if isinstance(d, DispatchAuthorized)] == [outcome.generation_id]
     entries = [decode_ledger_entry(r[3]) for r in await read_topic(kafka_bootstrap, topology.ledger)]
     admitted = [e for entry in entries for e in entry.events if e.type == "GenerationAdmitted"]

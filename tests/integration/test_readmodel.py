@@ -18,6 +18,7 @@ import uuid
 
 import pytest
 
+from projections.shared.catalog import load_catalog
 from projections.shared.topic_reader import read_topic
 from projections.shared.cassandra import execute
 from projections.readmodel.queries import GenerationReader, ResultState, ResultUnavailable
@@ -97,7 +98,7 @@ async def test_completed_result_served_then_expired_410_while_status_and_usage_s
     assert view.status is RequestStatus.COMPLETED
     assert view.result is ResultState.AVAILABLE and view.result_text == "the final answer"
     assert (view.input_tokens, view.output_tokens) == (7, 21)
-    assert view.model_version == "smollm2-135m-instruct-q4_1"
+    assert view.model_version == load_catalog().get("fast-text-model").version
     # owner-checked: someone else's id reads exactly like an unknown one
     assert await reader.get(driven.generation_id, owner="mallory") is None
     assert await reader.get("no-such-generation", owner=user) is None
