@@ -18,6 +18,7 @@ import uvicorn
 from edge.app import create_app
 from edge.settings import EdgeSettings
 from projections.readmodel.schema import ReadModelSettings
+from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
 
 log = logging.getLogger("chatplane.edge")
@@ -62,6 +63,7 @@ def main() -> None:
     except SettingsError as exc:
         exit_on_settings_error(exc)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    install_log_limits()
     if settings.uses_dev_secrets:
         log.warning("development mode: built-in development secrets in use (never outside a development machine)")
     app = create_app(settings)

@@ -40,6 +40,7 @@ from edge.tokens import input_token_counter
 from projections.shared.catalog import load_catalog
 from projections.shared.command_client import CommandClient
 from projections.shared.gc_tuning import tune_gc
+from projections.shared.kafka_settings import kafka_client_kwargs
 from schemas.codes import RequestStatus
 from schemas.messages import ChatMessage
 from schemas.wire import WIRE_CONTENT_MESSAGE_BYTES_MAX
@@ -86,7 +87,8 @@ class Edge:
         await self.client.start()
         self.hub.client = self.client
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=s.kafka_bootstrap, acks="all", linger_ms=0, max_request_size=WIRE_CONTENT_MESSAGE_BYTES_MAX + 4096
+            bootstrap_servers=s.kafka_bootstrap, acks="all", linger_ms=0, max_request_size=WIRE_CONTENT_MESSAGE_BYTES_MAX + 4096,
+            **kafka_client_kwargs(),
         )
         await self._producer.start()
         self.hub.producer = self._producer

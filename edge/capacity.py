@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from projections.shared.kafka_settings import kafka_client_kwargs
 from schemas.messages import WorkerHeartbeat
 from schemas.topics import Topology
 from schemas.wire import WireError, decode_message
@@ -81,7 +82,8 @@ class CapacityReader:
 
     async def start(self) -> None:
         self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap, enable_auto_commit=False, auto_offset_reset="latest", group_id=None
+            bootstrap_servers=self.bootstrap, enable_auto_commit=False, auto_offset_reset="latest", group_id=None,
+            **kafka_client_kwargs(),
         )
         await self._consumer.start()
         spec = self.topology.capacity

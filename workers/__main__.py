@@ -30,6 +30,7 @@ from projections.shared.catalog import (
     load_catalog,
 )
 from workers.engines.base import Engine
+from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, env_value, exit_on_settings_error, log_level
 from workers.settings import WorkerSettings
 from workers.worker import MissingTopics, NullResultSink, ResultSink, Worker
@@ -155,6 +156,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    install_log_limits()
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
     try:
         asyncio.run(amain(args.engine))

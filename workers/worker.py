@@ -44,6 +44,7 @@ from typing import Any, Protocol, assert_never
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
+from projections.shared.kafka_settings import kafka_client_kwargs
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, FinishReason, RejectionCode, RequestStatus
 from schemas.commands import ReplyTo
@@ -352,12 +353,13 @@ class Worker:
         s = self.settings
         await self.engine.start()
         self.producer = AIOKafkaProducer(
-            bootstrap_servers=s.kafka_bootstrap, acks="all", enable_idempotence=True, linger_ms=PRODUCER_LINGER_MS
+            bootstrap_servers=s.kafka_bootstrap, acks="all", enable_idempotence=True, linger_ms=PRODUCER_LINGER_MS,
+            **kafka_client_kwargs(),
         )
         await self.producer.start()
         self.control_consumer = AIOKafkaConsumer(
             bootstrap_servers=s.kafka_bootstrap, enable_auto_commit=False, auto_offset_reset="latest",
-            fetch_max_wait_ms=CONTROL_FETCH_MAX_WAIT_MS,
+            fetch_max_wait_ms=CONTROL_FETCH_MAX_WAIT_MS, **kafka_client_kwargs(),
         )
         await self.control_consumer.start()
         missing = {self.control.topic, *self.dispatch_topics.values()} - await self.control_consumer.topics()
@@ -381,6 +383,7 @@ class Worker:
             heartbeat_interval_ms=max(100, s.session_timeout_ms // 3),
             max_partition_fetch_bytes=64 * 1024,
             fetch_max_wait_ms=DISPATCH_FETCH_TIMEOUT_MS,
+            **kafka_client_kwargs(),
         )
         await self.dispatch_consumer.start()
         self._loops = [

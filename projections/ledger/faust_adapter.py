@@ -7,6 +7,8 @@
         offsets faust never delivered        --> mark_offsets_handled   (Consumer._add_gap)
         the agent's start                    --> remove_monitor_sensor  (App.monitor out of App.sensors)
         the deadline timer                   --> assigned_partitions    (the transport consumer's assignment)
+        the app's Kafka clients              --> use_kafka_client_settings (a transport whose consumer and
+                                                  producer carry projections.shared.kafka_settings)
 
 The processor calls faust only through its public API (``App``, ``App.topic``, ``App.Table``,
 ``App.agent``, ``App.timer``, the partition signals, ``Stream.noack``/``events``/``ack``,
@@ -20,11 +22,16 @@ rely on"); pyproject.toml pins the one the contract tests and the integration te
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+import asyncio
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 import faust
+from aiokafka import AIOKafkaConsumer
+from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
+
+from projections.shared.kafka_settings import kafka_client_kwargs
 
 # The faust-streaming versions this module was checked against. 0.15.3 is the one the processor's
 # integration tests and benchmarks ran on; a release below 0.16 is assumed to keep the internals used
@@ -194,7 +201,69 @@ def assigned_partitions(app: faust.App, topic: str) -> set[int]:
     return {tp.partition for tp in assignment if tp.topic == topic}
 
 
+def set_consumer_retry_backoff(consumer: AIOKafkaConsumer, retry_backoff_ms: int) -> None:
+    """What ``AIOKafkaConsumer(retry_backoff_ms=...)`` sets, done on a consumer someone else built (not started yet).
+
+    Relies on (aiokafka 0.14): the constructor keeps the value in ``AIOKafkaConsumer._retry_backoff_ms``
+    (read by ``start()`` for its fetcher and group coordinator) and in its client's
+    ``AIOKafkaClient._retry_backoff`` (seconds; the client's own metadata retries); nothing reads it
+    before ``start()``.
+    """
+    consumer._retry_backoff_ms = retry_backoff_ms  # noqa: SLF001 - see the docstring
+    consumer._client._retry_backoff = retry_backoff_ms / 1000  # noqa: SLF001
+
+
+class _ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    def _create_consumer(self, loop: asyncio.AbstractEventLoop) -> AIOKafkaConsumer:
+        consumer = super()._create_consumer(loop)
+        set_consumer_retry_backoff(consumer, kafka_client_kwargs()["retry_backoff_ms"])
+        return consumer
+
+
+class _Consumer(faust_aiokafka.Consumer):
+    def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
+        return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+
+class _Producer(faust_aiokafka.Producer):
+    def _settings_default(self) -> Mapping[str, Any]:
+        return {**super()._settings_default(), **kafka_client_kwargs()}
+
+
+class KafkaTransport(faust_aiokafka.Transport):
+    """faust's aiokafka transport whose consumer and producer carry ``kafka_client_kwargs()``."""
+
+    Consumer = _Consumer
+    Producer = _Producer
+
+
+def use_kafka_client_settings(app: faust.App) -> None:
+    """Make ``app`` (just built: before its first topic, table or agent) build its Kafka clients with
+    ``projections.shared.kafka_settings``'s values, as every other client of ours.
+
+    What faust does: the transport (``faust.transport.drivers.aiokafka.Transport``, chosen by the
+    broker URL's scheme) builds the consumer in ``AIOKafkaConsumerThread._create_consumer`` and the
+    producer from ``Producer._settings_default``, each from faust's own settings; no faust setting
+    maps to aiokafka's ``retry_backoff_ms``, so they retried an unreachable broker every 100 ms
+    (aiokafka's default), each try logging one or two lines (issue 13).
+
+    Why we bypass it: that pause is the only pacing of aiokafka 0.14's reconnects (it has no
+    ``reconnect_backoff_ms``), see ``projections.shared.kafka_settings``.
+
+    Relies on: ``App.transport`` and ``App.producer_transport`` setters (the app builds its consumer,
+    producer and conductor lazily from them); a transport's ``Consumer``/``Producer`` class attributes
+    choose the classes it builds; ``Consumer._new_consumer_thread`` builds the
+    ``AIOKafkaConsumerThread`` whose ``_create_consumer(loop)`` returns the not yet started
+    ``AIOKafkaConsumer``; ``Producer._settings_default`` returns the keyword arguments of every
+    ``AIOKafkaProducer`` faust builds (also its threaded and transactional ones); and
+    ``set_consumer_retry_backoff``'s reliances on aiokafka.
+    """
+    app.transport = KafkaTransport(app.conf.broker_consumer, app)
+    app.producer_transport = KafkaTransport(app.conf.broker_producer, app)
+
+
 __all__ = [
+    "KafkaTransport",
     "FAUST_VERSION_BELOW",
     "FAUST_VERSION_MIN",
     "SUPPORTED_FAUST",
@@ -206,4 +275,6 @@ __all__ = [
     "put_table_entry",
     "remove_monitor_sensor",
     "send_record",
+    "set_consumer_retry_backoff",
+    "use_kafka_client_settings",
 ]

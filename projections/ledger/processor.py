@@ -44,6 +44,8 @@ from control_plane.routing import route
 from projections.ledger import faust_adapter
 from projections.shared.gc_tuning import tune_gc
 from projections.shared.kafka_admin import TopologyError, assert_copartitioned, assert_topology
+from projections.shared.kafka_settings import kafka_client_kwargs
+from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
 from projections.ledger.settings import ProcessorSettings
 from projections.ledger.table_store import EMPTY_LAYOUT, Layout, TableWrites, is_settled_key, join, plan, unpack_deadline
@@ -114,6 +116,8 @@ class AdmissionProcessor:
             processing_guarantee="at_least_once",
             web_enabled=False,
         )
+        # Before the first topic: the app's consumer and producer pace their retries as every client of ours.
+        faust_adapter.use_kafka_client_settings(self.app)
         self.commands = self.app.topic(
             self.topology.commands.name,
             key_type=bytes,
@@ -184,6 +188,7 @@ class AdmissionProcessor:
             bootstrap_servers=self.settings.kafka_bootstrap,
             group_id=self.topology.processor_app_id,
             enable_auto_commit=False,
+            **kafka_client_kwargs(),
         )
         try:
             async with asyncio.timeout(self.settings.gap_fill_timeout_s):
@@ -270,6 +275,7 @@ class AdmissionProcessor:
             bootstrap_servers=self.settings.kafka_bootstrap,
             enable_auto_commit=False,
             auto_offset_reset="earliest",  # a start already removed by retention: from the first one kept
+            **kafka_client_kwargs(),
         )
         patience = self.settings.gap_fill_timeout_s
         try:
@@ -508,8 +514,17 @@ def main() -> None:
         asyncio.run(processor.check_topology())
     except TopologyError as exc:
         raise SystemExit(f"projections: {exc}") from None
-    worker = faust.Worker(processor.app, loglevel=level, quiet=True)
+    worker = _Worker(processor.app, loglevel=level, quiet=True)
     worker.execute_from_commandline()
+
+
+class _Worker(faust.Worker):
+    """faust's worker, with the repeated-line bound on the root logger it configures."""
+
+    def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
+        # faust's public hook, called once the worker replaced the root logger's handlers.
+        super().on_setup_root_logger(logger, level)
+        install_log_limits(logger)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
 from projections.shared.cassandra import execute
+from projections.shared.kafka_settings import kafka_client_kwargs
+from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, env_value, exit_on_settings_error
 from projections.readmodel.schema import (
     GENERATION_COLUMNS,
@@ -302,7 +304,7 @@ class ReadModelProjection:
         self._cluster, session = await open_session(self.settings)
         await ensure_schema(session, self.settings)
         self.writer = GenerationWriter(session, self.settings)
-        self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5)
+        self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5, **kafka_client_kwargs())
         await self.producer.start()
         self.consumer = AIOKafkaConsumer(
             self.topology.ledger.name,
@@ -314,6 +316,7 @@ class ReadModelProjection:
             session_timeout_ms=SESSION_TIMEOUT_MS,
             heartbeat_interval_ms=SESSION_TIMEOUT_MS // 3,
             max_poll_records=BATCH_RECORDS_MAX,
+            **kafka_client_kwargs(),
         )
         await self.consumer.start()
 
@@ -470,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         exit_on_settings_error(exc)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    install_log_limits()
     return asyncio.run(_main(args, settings))
 
 

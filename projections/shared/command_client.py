@@ -19,6 +19,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from projections.shared.kafka_settings import kafka_client_kwargs
 from schemas.commands import Command, ReplyTo
 from schemas.messages import Outcome
 from schemas.topics import Topology
@@ -61,7 +62,7 @@ class CommandClient:
 
     async def start(self) -> None:
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, linger_ms=0
+            bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, linger_ms=0, **kafka_client_kwargs()
         )
         await self._producer.start()
         self._consumer = AIOKafkaConsumer(
@@ -69,6 +70,7 @@ class CommandClient:
             enable_auto_commit=False,
             fetch_max_wait_ms=INBOX_FETCH_MAX_WAIT_MS,
             auto_offset_reset="latest",
+            **kafka_client_kwargs(),
         )
         await self._consumer.start()
         tp = TopicPartition(self.inbox.topic, self.inbox.partition)

@@ -14,6 +14,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from projections.shared.catalog import Catalog, load_catalog
+from projections.shared.kafka_settings import kafka_client_kwargs
 from projections.shared.settings import env_value
 from schemas.topics import TopicSpec, Topology
 
@@ -81,7 +82,7 @@ async def ensure_topics(
     """
     specs = list(specs)
     say = report or (lambda _line: None)
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ADMIN_REQUEST_TIMEOUT_MS)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ADMIN_REQUEST_TIMEOUT_MS, **kafka_client_kwargs())
     await admin.start()
     try:
         existing = {t["topic"]: t for t in await admin.describe_topics() if t.get("error_code", 0) == 0}
@@ -121,7 +122,7 @@ async def ensure_topics(
 
 
 async def delete_topics(bootstrap: str, names: Iterable[str]) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ADMIN_REQUEST_TIMEOUT_MS)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ADMIN_REQUEST_TIMEOUT_MS, **kafka_client_kwargs())
     await admin.start()
     try:
         present = set(await admin.list_topics())
@@ -135,7 +136,7 @@ async def delete_topics(bootstrap: str, names: Iterable[str]) -> None:
 async def assert_topology(bootstrap: str, specs: Iterable[TopicSpec]) -> None:
     """Fail fast unless every topic exists with exactly its schema partition count."""
     specs = list(specs)
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ADMIN_REQUEST_TIMEOUT_MS)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ADMIN_REQUEST_TIMEOUT_MS, **kafka_client_kwargs())
     await admin.start()
     try:
         described = {t["topic"]: t for t in await admin.describe_topics([s.name for s in specs])}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from projections.shared.kafka_settings import kafka_client_kwargs
 from schemas.topics import TopicSpec
 
 FETCH_TIMEOUT_MS = 1_000
@@ -18,7 +19,9 @@ async def read_topic(
     bootstrap: str, spec: TopicSpec, start: dict[int, int] | None = None, from_time_ms: int | None = None
 ) -> list[tuple[int, int, bytes | None, bytes | None]]:
     """Every record of ``spec`` from ``start`` (or the beginning, or a time) to its end at call time."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest", **kafka_client_kwargs()
+    )
     await consumer.start()
     try:
         tps = [TopicPartition(spec.name, p) for p in range(spec.partitions)]

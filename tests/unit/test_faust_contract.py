@@ -304,6 +304,53 @@ def test_assigned_partitions_is_empty_before_the_consumer_started_and_filters_by
     assert faust_adapter.assigned_partitions(app, TOPIC) == {0, 3}
 
 
+# --- use_kafka_client_settings --------------------------------------------------------------------
+
+
+def _retry_backoff_places(consumer: Any) -> dict[str, Any]:
+    """Every attribute of an aiokafka consumer and of its client, by dotted name."""
+    return {**{f"consumer.{k}": v for k, v in vars(consumer).items()}, **{f"client.{k}": v for k, v in vars(consumer._client).items()}}
+
+
+async def test_set_consumer_retry_backoff_sets_every_place_the_constructor_keeps_it():
+    from aiokafka import AIOKafkaConsumer
+
+    built = AIOKafkaConsumer(bootstrap_servers="127.0.0.1:1", retry_backoff_ms=1_234)
+    default = AIOKafkaConsumer(bootstrap_servers="127.0.0.1:1")
+    try:
+        # The only attributes the argument changes are the two the adapter sets (nothing else built
+        # in the constructor keeps a copy), and after the adapter's set they agree.
+        differ = {k for k, v in _retry_backoff_places(built).items() if _retry_backoff_places(default).get(k) != v and isinstance(v, (int, float))}
+        assert differ == {"consumer._retry_backoff_ms", "client._retry_backoff"}, differ
+        faust_adapter.set_consumer_retry_backoff(default, 1_234)
+        assert (default._retry_backoff_ms, default._client._retry_backoff) == (built._retry_backoff_ms, built._client._retry_backoff)
+    finally:
+        await built.stop()
+        await default.stop()
+
+
+async def test_the_transport_builds_its_consumer_and_producer_through_the_overridden_methods():
+    import asyncio
+
+    from projections.shared.kafka_settings import KAFKA_RETRY_BACKOFF_MS
+
+    app = new_app()
+    assert app._transport is None and app._producer_transport is None  # built lazily: the setters come first
+    faust_adapter.use_kafka_client_settings(app)
+    assert isinstance(app.transport, faust_adapter.KafkaTransport) and isinstance(app.producer_transport, faust_adapter.KafkaTransport)
+    assert list(inspect.signature(faust_aiokafka.AIOKafkaConsumerThread._create_consumer).parameters) == ["self", "loop"]
+    consumer = app.consumer._thread._create_consumer(asyncio.get_running_loop())
+    settings = app.producer._settings_default()
+    producer = app.producer._new_producer()
+    try:
+        assert consumer._retry_backoff_ms == KAFKA_RETRY_BACKOFF_MS
+        assert settings["retry_backoff_ms"] == KAFKA_RETRY_BACKOFF_MS and "bootstrap_servers" in settings
+        assert producer._sender._retry_backoff == KAFKA_RETRY_BACKOFF_MS / 1000
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
 # --- the public API the processor's acking relies on -------------------------------------------
 
 
