@@ -5,21 +5,33 @@ First SIGTERM: readiness fails at once (``/readyz`` -> 503) and new submissions 
 held streams run on until ``CHATPLANE_EDGE_DRAIN_DEADLINE_S``; the rest are cancelled (reason
 ``drain``) and get their terminal event when the processor commits it (bounded by
 ``CHATPLANE_EDGE_DRAIN_CANCEL_WAIT_S``); then uvicorn shuts down. A second signal exits at once.
+
+Connections (``uvicorn_config``, ``edge.uvicorn_adapter``): a request head not read within
+``CHATPLANE_EDGE_REQUEST_HEAD_TIMEOUT_S`` closes its connection, and a connection accepted while
+``CHATPLANE_EDGE_CONNECTIONS_MAX`` are open is answered ``503 capacity_exhausted`` and closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 from types import FrameType
+from typing import Any
 
+import orjson
 import uvicorn
+from fastapi import FastAPI
 
+from edge import errors
 from edge.app import create_app
+from edge.deps import new_request_id
 from edge.settings import EdgeSettings
+from edge.uvicorn_adapter import bounded_h11_protocol
 from projections.readmodel.schema import ReadModelSettings
 from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
+from schemas.codes import RejectionCode
 
 log = logging.getLogger("chatplane.edge")
 
@@ -53,6 +65,62 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+# File descriptors the process needs besides its client connections (Kafka and Cassandra clients, logs).
+DESCRIPTORS_RESERVED = 256
+
+
+def connection_refusal(connections_max: int) -> bytes:
+    """The answer of a connection over ``connections_max``: the typed ``503 capacity_exhausted``
+    (Retry-After 1: the load balancer sends the retry to another replica), then the close."""
+    body = orjson.dumps(
+        errors.error_body(
+            RejectionCode.CAPACITY_EXHAUSTED, new_request_id(),
+            {"limit": connections_max, "retry_after_ms": errors.DRAINING_RETRY_AFTER_S * 1000},
+        )
+    )
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncache-control: no-store\r\n"
+        f"retry-after: {errors.DRAINING_RETRY_AFTER_S}\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+def uvicorn_config(app: FastAPI, settings: EdgeSettings, **overrides: Any) -> uvicorn.Config:
+    """The uvicorn configuration of the edge, with the connection bounds of ``edge.uvicorn_adapter``
+    (tests serve the app with it too; ``overrides`` replace single options)."""
+    metrics = app.state.edge.metrics
+    options: dict[str, Any] = dict(
+        host=settings.host,
+        port=settings.port,
+        access_log=False,  # access logs would carry paths with ids only, but the edge logs its own
+        timeout_graceful_shutdown=int(settings.drain_deadline_s + settings.drain_cancel_wait_s + 5),
+        lifespan="on",
+        backlog=4096,
+        # The connection bound is the protocol's (connections_max, at accept): uvicorn's own
+        # limit_concurrency would count only once a request head is read.
+        limit_concurrency=None,
+        timeout_keep_alive=15,
+        http=bounded_h11_protocol(
+            head_timeout_s=settings.request_head_timeout_s,
+            connections_max=settings.connections_max,
+            refusal=lambda: connection_refusal(settings.connections_max),
+            on_close=lambda reason: metrics.connections_closed.labels(reason).inc(),
+        ),
+    )
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
+
+
+def warn_if_descriptors_short(connections_max: int) -> None:
+    """A process limit on open files below the connection bound fails accepts (EMFILE) before it."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < connections_max + DESCRIPTORS_RESERVED:
+        log.warning(
+            "open-file limit %d is below CHATPLANE_EDGE_CONNECTIONS_MAX=%d + %d: accepts fail before the bound",
+            soft, connections_max, DESCRIPTORS_RESERVED,
+        )
+
+
 def main() -> None:
     try:
         level = log_level("INFO")
@@ -67,18 +135,8 @@ def main() -> None:
     if settings.uses_dev_secrets:
         log.warning("development mode: built-in development secrets in use (never outside a development machine)")
     app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=level.lower(),
-        access_log=False,  # access logs would carry paths with ids only, but the edge logs its own
-        timeout_graceful_shutdown=int(settings.drain_deadline_s + settings.drain_cancel_wait_s + 5),
-        lifespan="on",
-        backlog=4096,
-        limit_concurrency=None,
-        timeout_keep_alive=15,
-    )
+    warn_if_descriptors_short(settings.connections_max)
+    config = uvicorn_config(app, settings, log_level=level.lower())
     server = DrainingServer(config, app.state.edge)
     server.run()
 

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from edge import errors
+from edge.admission import AdmissionProbe
 from edge.auth import Authenticator
 from edge.capacity import CapacityReader, CapacityView
 from edge.deps import new_request_id
@@ -74,6 +75,12 @@ class Edge:
         self._capacity_reader: CapacityReader | None = None
         self._producer: AIOKafkaProducer | None = None
         self.reader: ReadModel | None = ReadModel() if settings.read_model else None
+        # Whether a decision round trip works, probed in the background (edge.admission); reported by
+        # GET /healthz/admission, never by /readyz.
+        self.admission = AdmissionProbe(
+            settings.inbox_partition, settings.admission_probe_interval_s, settings.admission_probe_timeout_s,
+            self.metrics, client=lambda: self.client,
+        )
 
     async def start(self) -> None:
         s = self.settings
@@ -96,10 +103,12 @@ class Edge:
             self._capacity_reader = CapacityReader(s.kafka_bootstrap, s.topology, self.capacity)
             await self._capacity_reader.start()
         self.ready = True
+        self.admission.start()
         log.info("edge ready inbox_partition=%d", s.inbox_partition)
 
     async def stop(self) -> None:
         self.ready = False
+        await self.admission.stop()
         await self.hub.flush_background()
         if self._capacity_reader is not None:
             await self._capacity_reader.stop()
@@ -216,6 +225,14 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
         if not edge.ready or edge.hub.draining:
             return JSONResponse({"status": "draining" if edge.hub.draining else "starting"}, status_code=503)
         return JSONResponse({"status": "ready"})
+
+    @app.get(
+        "/healthz/admission", tags=["operations"],
+        summary="Admission health: whether the processor answers a probe command (not part of readiness)",
+        responses={503: {"description": "Admission down: the last probe got no decision in time (or none ended yet)"}},
+    )
+    async def admission_health() -> Response:
+        return JSONResponse(edge.admission.status(), status_code=200 if edge.admission.up else 503)
 
     @app.get("/metrics", tags=["operations"], summary="Prometheus metrics")
     async def metrics() -> Response:

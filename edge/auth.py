@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import jwt
 
+from edge.admission import PROBE_USER_ID_PREFIX
 from edge.errors import ApiError
 from edge.settings import EdgeSettings
 from schemas.codes import RejectionCode, Tier
@@ -94,6 +95,10 @@ class Authenticator:
             raise ApiError(RejectionCode.UNAUTHORIZED) from None
         sub = claims.get("sub")
         if not isinstance(sub, str) or not sub or len(sub) > USER_ID_CHARS_MAX:
+            raise ApiError(RejectionCode.UNAUTHORIZED)
+        if sub.startswith(PROBE_USER_ID_PREFIX):
+            # The edge's own admission probes run as these users (edge.admission); no client may.
+            log.info("token rejected: reserved subject")
             raise ApiError(RejectionCode.UNAUTHORIZED)
         try:
             tier = Tier(claims.get("tier", Tier.FREE.value))

@@ -16,6 +16,10 @@ from schemas.codes import REJECTIONS
 # first of each happens.
 ADMISSION_LABELS = ("admitted", "existing", *(code.value for code in REJECTIONS))
 SLOW_CONSUMER_LIMITS = ("stream_bytes", "aggregate_bytes", "result_bytes", "result_tokens")
+# How an admission probe ended (edge.admission.ProbeResult) and why the edge closed a connection itself
+# (edge.uvicorn_adapter): written out here so this module imports neither.
+ADMISSION_PROBE_RESULTS = ("up", "timeout", "error")
+CONNECTION_CLOSE_REASONS = ("head_timeout", "connections_max")
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -68,3 +72,23 @@ class EdgeMetrics:
         for limit in SLOW_CONSUMER_LIMITS:
             self.slow_consumer_cancels.labels(limit)
         self.draining = Gauge("chatplane_edge_draining", "1 while this edge drains.", registry=r)
+        self.admission_up = Gauge(
+            "chatplane_edge_admission_up",
+            "1 while the last admission probe (a no-op command) was decided by the processor in time.", registry=r,
+        )
+        self.admission_probe_latency = Histogram(
+            "chatplane_edge_admission_probe_seconds", "Admission probe appended -> its decision back (answered probes).",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.admission_probes = Counter(
+            "chatplane_edge_admission_probes", "Admission probes by result (up, timeout, error).", ["result"], registry=r
+        )
+        self.connections_closed = Counter(
+            "chatplane_edge_connections_closed",
+            "Connections the edge closed itself: request head not read in time, or over the connection bound.",
+            ["reason"], registry=r,
+        )
+        for result in ADMISSION_PROBE_RESULTS:
+            self.admission_probes.labels(result)
+        for reason in CONNECTION_CLOSE_REASONS:
+            self.connections_closed.labels(reason)

@@ -33,6 +33,16 @@ class EdgeSettings:
     inbox_partition: int = setting("CHATPLANE_EDGE_INBOX_PARTITION", 0, ge=0)
     host: str = setting("CHATPLANE_EDGE_HOST", "127.0.0.1")
     port: int = setting("CHATPLANE_EDGE_PORT", 8080, ge=1, le=PORT_MAX)
+    # Connections (edge.uvicorn_adapter): a request head not read whole within this time (from the
+    # accept, or from the first byte of the next request on a kept-alive connection) closes the
+    # connection; a connection accepted while connections_max are open is answered 503 and closed.
+    # The bound sits above CHATPLANE_EDGE_STREAMS_MAX: each held stream is a connection.
+    request_head_timeout_s: float = setting("CHATPLANE_EDGE_REQUEST_HEAD_TIMEOUT_S", 10.0, gt=0)
+    connections_max: int = setting("CHATPLANE_EDGE_CONNECTIONS_MAX", 24_000, ge=1)
+    # Admission health (edge.admission): a no-op command to the processor every interval, each waiting
+    # at most the probe timeout; GET /healthz/admission and chatplane_edge_admission_up report it.
+    admission_probe_interval_s: float = setting("CHATPLANE_EDGE_ADMISSION_PROBE_INTERVAL_S", 2.0, gt=0)
+    admission_probe_timeout_s: float = setting("CHATPLANE_EDGE_ADMISSION_PROBE_TIMEOUT_S", 2.0, gt=0)
 
     # Development mode: unset secrets fall back to the built-in ones (DEV_JWT_SECRET, DEV_FINGERPRINT_KEY).
     dev_mode: bool = setting(DEV_MODE_ENV, False)

@@ -25,6 +25,7 @@ from tests.integration.test_edge_harness import FakeSimWorker, edge_process_fact
 pytestmark = pytest.mark.integration
 
 EXAMPLES_PER_OPERATION = 60
+ADMISSION_UP_WAIT_S = 30.0
 CODES = {c.value: c for c in RejectionCode}
 
 
@@ -85,6 +86,12 @@ async def test_fuzz_from_openapi_no_5xx_and_every_error_typed(kafka_bootstrap, t
     edge = edge_process_factory(CHATPLANE_EDGE_BUCKET_CAPACITY="100000")
     async with FakeSimWorker(kafka_bootstrap, topology, tokens=["a", "\u00e9"], token_interval_s=0.0):
         await edge.start()
+        async with edge.http() as http:
+            # /healthz/admission is one of the operations: it answers 200 once the first probe is decided.
+            deadline = asyncio.get_running_loop().time() + ADMISSION_UP_WAIT_S
+            while (await http.get("/healthz/admission")).status_code != 200:
+                assert asyncio.get_running_loop().time() < deadline, "admission did not come up"
+                await asyncio.sleep(0.1)
         statuses = await asyncio.to_thread(fuzz, edge.url, edge.headers("fuzzer"))
         async with edge.http() as http:
             assert (await http.get("/healthz")).status_code == 200

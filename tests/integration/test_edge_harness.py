@@ -28,6 +28,7 @@ import pytest
 import uvicorn
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from edge.__main__ import uvicorn_config
 from edge.app import create_app
 from edge.auth import mint
 from edge.settings import EdgeSettings
@@ -215,7 +216,8 @@ async def serve_edge(settings: EdgeSettings) -> AsyncIterator[RunningEdge]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    # The edge's own uvicorn configuration (connection bounds included), on this socket.
+    config = uvicorn_config(app, settings, log_level="warning", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve(sockets=[sock]))

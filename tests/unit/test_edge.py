@@ -300,6 +300,102 @@ async def test_draining_edge_refuses_new_work_and_fails_readiness():
     assert fake.commands == []
 
 
+# --- admission health (issue 13: "up" before it can decide) ---------------------------------------
+
+
+async def test_admission_down_is_a_503_on_its_own_endpoint_while_readyz_stays_200():
+    from edge.admission import probe_user_id
+    from projections.shared.command_client import DecisionTimeout
+    from schemas.commands import ReconcileDue
+
+    settings, app, fake, http = make(answer=lambda c: DecisionTimeout("late"), inbox_partition=3)
+    edge = app.state.edge
+    edge.ready = True
+    async with http:
+        first = await http.get("/healthz/admission")
+        assert first.status_code == 503 and first.json()["admission"] == "down" and first.json()["result"] == "not_probed"
+        await edge.admission.probe_once()
+        down = await http.get("/healthz/admission")
+        assert down.status_code == 503
+        assert down.json() | {"as_of": None} == {
+            "admission": "down", "result": "timeout", "round_trip_ms": None, "as_of": None,
+            "probe_timeout_s": settings.admission_probe_timeout_s,
+        }
+        assert down.json()["as_of"].endswith("+00:00")
+        # The edge itself is fine: it stays in the load balancer, and a submit gets the typed 503.
+        assert (await http.get("/readyz")).status_code == 200
+        assert_typed(await http.post("/v1/generations", json=BODY, headers=hdrs(settings)), RejectionCode.QUOTA_SERVICE_UNAVAILABLE)
+        assert "chatplane_edge_admission_up 0.0" in (await http.get("/metrics")).text
+
+        fake.answer = lambda c: Outcome(command_id=c.command_id, kind=OutcomeKind.EXISTING)
+        await edge.admission.probe_once()
+        up = await http.get("/healthz/admission")
+        assert up.status_code == 200 and up.json()["admission"] == "up" and up.json()["result"] == "up"
+        assert isinstance(up.json()["round_trip_ms"], float)
+        text = (await http.get("/metrics")).text
+        assert "chatplane_edge_admission_up 1.0" in text
+        assert 'chatplane_edge_admission_probes_total{result="timeout"} 1.0' in text
+        assert "chatplane_edge_admission_probe_seconds_count 1.0" in text
+    probes = [c for c in fake.commands if isinstance(c, ReconcileDue)]
+    assert len(probes) == 2 and {p.user_id for p in probes} == {probe_user_id(3)}
+    assert all(p.reply_to is not None for p in probes)
+
+
+async def test_an_admission_probe_is_bounded_even_when_the_send_hangs():
+    settings, app, fake, _ = make(admission_probe_timeout_s=0.05)
+
+    async def hang(command, timeout_s=None):
+        await asyncio.sleep(3600)
+
+    fake.decide = hang
+    result = await asyncio.wait_for(app.state.edge.admission.probe_once(), 5)
+    assert result.value == "timeout" and not app.state.edge.admission.up
+
+
+async def test_a_token_for_a_reserved_probe_user_is_refused():
+    from edge.admission import probe_user_id
+
+    settings, _, fake, http = make()
+    async with http:
+        r = await http.post("/v1/generations", json=BODY, headers=hdrs(settings, user=probe_user_id(0)))
+    assert_typed(r, RejectionCode.UNAUTHORIZED)
+    assert fake.commands == []
+
+
+def test_a_probe_leaves_nothing_that_grows_in_the_processor():
+    # What the processor does with a probe (projections.ledger.processor.process): handle, then plan
+    # the table writes. On the probe user's empty ledger: no events (nothing routed to the ledger,
+    # usage or dispatch), one table key rewritten in place, no deadline, and a bounded memory.
+    from control_plane.aggregate import RECENT_DECISIONS_MAX, Aggregate, handle
+    from control_plane.state import UserLedger
+    from edge.admission import probe_user_id
+    from projections.ledger.table_store import EMPTY_LAYOUT, plan
+    from schemas.commands import ReconcileDue
+
+    policy = EdgeSettings(capacity_check=False, read_model=False).policy
+    user = probe_user_id(0)
+    aggregate, layout = Aggregate.empty(user), EMPTY_LAYOUT
+    for offset in range(3 * RECENT_DECISIONS_MAX):
+        now = 1_800_000_000_000 + offset * 2_000
+        probe = ReconcileDue(command_id=f"probe-{offset}", user_id=user, issued_at_ms=now, as_of_ms=now)
+        aggregate, decision, redelivered = handle(aggregate, probe, policy, offset)
+        assert decision is not None and not redelivered
+        assert decision.events == () and decision.outcome.kind is OutcomeKind.EXISTING
+        writes = plan(aggregate, layout, policy)
+        assert [key for key, _ in writes.puts] == [user.encode()] and writes.deletes == [] and writes.deadline_ms is None
+        layout = writes.layout
+    assert aggregate.ledger == UserLedger(user) and len(aggregate.recent) == RECENT_DECISIONS_MAX
+
+
+def test_the_metric_label_vocabularies_are_the_enums():
+    from edge.admission import ProbeResult
+    from edge.metrics import ADMISSION_PROBE_RESULTS, CONNECTION_CLOSE_REASONS
+    from edge.uvicorn_adapter import CLOSE_REASONS
+
+    assert ADMISSION_PROBE_RESULTS == tuple(r.value for r in ProbeResult if r is not ProbeResult.NOT_PROBED)
+    assert CONNECTION_CLOSE_REASONS == CLOSE_REASONS
+
+
 # --- pieces -------------------------------------------------------------------------------------
 
 
