@@ -182,6 +182,15 @@ def _quota_details(state: UserLedger, record: RequestRecord, policy: Policy) -> 
     return RejectionDetails(limit=limit, remaining=remaining, reset_at_ms=record.reset_at_ms)
 
 
+def read_past_deadline(c: SubmitGeneration) -> bool:
+    """Whether the processor read this submit after its decision deadline (the issuer stopped waiting).
+
+    Both times are data in the command: ``decide_by_ms`` from the issuer, ``read_at_ms`` stamped by
+    the processor's consuming shell; a command without either is never late.
+    """
+    return c.decide_by_ms > 0 and c.read_at_ms > c.decide_by_ms
+
+
 def _admit(
     state: UserLedger,
     c: SubmitGeneration,
@@ -201,7 +210,7 @@ def _admit(
     limit = window.limit if window else policy.quota_limit(c.tier)
     held = (window.used + window.reserved) if window else 0
 
-    def refuse(code: RejectionCode, status: RequestStatus, details: RejectionDetails) -> Decision:
+    def refuse(code: RejectionCode, status: RequestStatus, details: RejectionDetails, late: bool = False) -> Decision:
         out.emit(
             ev.AdmissionRejected,
             generation_id,
@@ -216,11 +225,20 @@ def _admit(
             window_start_ms=window_start,
             window_limit=limit,
             reset_at_ms=window_end,
+            read_at_ms=c.read_at_ms if late else 0,
+            decide_by_ms=c.decide_by_ms if late else 0,
         )
         return out.reject(
             code, generation_id=generation_id, status=status, epoch=epoch - 1, model_version=model_version, details=details
         )
 
+    if read_past_deadline(c):
+        # The issuer gave up on this decision and told its client admission failed (503): charging
+        # that client now would spend a message nobody waits for. Nothing is held; the key stays
+        # retryable, so a same-key retry with a fresh deadline gets a fresh decision.
+        return refuse(
+            RejectionCode.QUOTA_SERVICE_UNAVAILABLE, RequestStatus.ADMISSION_RETRYABLE, RejectionDetails(), late=True
+        )
     if held >= limit:
         return refuse(
             RejectionCode.QUOTA_EXHAUSTED,
@@ -629,4 +647,12 @@ def next_deadline_ms(state: UserLedger, policy: Policy) -> int | None:
     return best
 
 
-__all__ = ["CancelReason", "Decision", "decide", "generation_id_for", "next_deadline_ms", "purge_at_ms"]
+__all__ = [
+    "CancelReason",
+    "Decision",
+    "decide",
+    "generation_id_for",
+    "next_deadline_ms",
+    "purge_at_ms",
+    "read_past_deadline",
+]

@@ -4,7 +4,8 @@ The admission processor writes whatever ``route`` returns, after its table write
 producer; faust flushes that producer before it commits the command's offset, so every record here is
 sent at least once per command (and re-sent, identical, on redelivery).
 
-    ledger entry     -> LEDGER, the command's own partition (co-partitioned with COMMANDS)
+    ledger entry     -> LEDGER, the command's own partition (co-partitioned with COMMANDS), with the
+                        processor's read stamp of a submit (``LedgerEntry.read_at_ms``)
     outcome          -> the command's reply_to (edge inbox partition, or a worker's control partition)
     GenerationAdmitted -> DispatchAuthorized on dispatch.<pool>.<tier> (key generation_id)
     CancelRequested, or a fence of a running attempt -> StopAttempt to the owner's control partition
@@ -21,7 +22,7 @@ from control_plane.state import UserLedger
 from schemas import events as ev
 from schemas import topics
 from schemas.codes import CancelReason, RequestStatus
-from schemas.commands import Command
+from schemas.commands import Command, SubmitGeneration
 from schemas.messages import DispatchAuthorized, GenerationFinalized, OutcomeKind, StopAttempt
 from schemas.wire import encode
 
@@ -54,7 +55,11 @@ def route(
     out: list[Outbound] = []
     if decision.events:
         entry = ev.LedgerEntry(
-            command_id=command.command_id, command_type=command.type, user_id=command.user_id, events=decision.events
+            command_id=command.command_id,
+            command_type=command.type,
+            user_id=command.user_id,
+            events=decision.events,
+            read_at_ms=command.read_at_ms if isinstance(command, SubmitGeneration) else 0,
         )
         out.append(Outbound(topology.ledger.name, partition, user_key, encode(entry)))
     if command.reply_to is not None:

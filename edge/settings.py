@@ -77,6 +77,11 @@ class EdgeSettings:
     users_sticky: bool = setting("CHATPLANE_EDGE_USERS_STICKY", True)
 
     decision_timeout_s: float = setting("CHATPLANE_EDGE_DECISION_TIMEOUT_S", 2.0, gt=0)
+    # A submit carries a decision deadline this much before the edge stops waiting for its decision
+    # (SubmitGeneration.decide_by_ms): the processor refuses, holding nothing, a submit it reads after
+    # the deadline, so a 503 quota_service_unavailable never charges. The margin covers the skew
+    # between the edge's and the processor's clocks plus the decision's trip back; less than the timeout.
+    decision_skew_margin_ms: int = setting("CHATPLANE_EDGE_DECISION_SKEW_MARGIN_MS", 300, ge=0)
 
     # Streaming.
     heartbeat_interval_s: float = setting("CHATPLANE_EDGE_HEARTBEAT_INTERVAL_S", 15.0, gt=0)
@@ -108,6 +113,12 @@ class EdgeSettings:
     policy: Policy = field(default_factory=policy_from_env)
 
     def __post_init__(self) -> None:
+        if self.decision_skew_margin_ms >= self.decision_timeout_ms:
+            margin, timeout = env_var(EdgeSettings, "decision_skew_margin_ms"), env_var(EdgeSettings, "decision_timeout_s")
+            raise SettingsError(
+                f"{margin}={self.decision_skew_margin_ms}, {timeout}={self.decision_timeout_s}: "
+                "expected the margin (ms) below the decision timeout (s), or no submit could be decided in time"
+            )
         # Also checked for values passed from code: a missing secret stops the process before it serves
         # anything. Frozen, so a development stand-in is set through object.__setattr__.
         if self.jwt_algorithm == "HS256":
@@ -129,6 +140,14 @@ class EdgeSettings:
         if value == built_in:
             raise SettingsError(f"{var} is the public built-in development secret (accepted only with {DEV_MODE_ENV}=1)")
         return value
+
+    @property
+    def decision_timeout_ms(self) -> int:
+        return int(self.decision_timeout_s * 1000)
+
+    def decide_by_ms(self, now_ms: int) -> int:
+        """The decision deadline of a submit sent at ``now_ms`` (this edge's clock)."""
+        return now_ms + self.decision_timeout_ms - self.decision_skew_margin_ms
 
     @property
     def uses_dev_secrets(self) -> bool:

@@ -52,6 +52,16 @@ class SubmitGeneration:
     # The edge's view of the pool (from worker heartbeats) at submit time, carried in the command so
     # the decision stays a pure function of its input: expected wait before a worker accepts.
     estimated_queue_wait_ms: Millis = 0
+    # The issuer's decision deadline (its clock): a submit the processor reads after it is refused,
+    # holding nothing, because the issuer has stopped waiting and told its client admission failed.
+    # The edge sets it a clock-skew margin before its own wait ends; 0 = no deadline (workers, tests,
+    # commands written before the deadline existed).
+    decide_by_ms: Millis = 0
+    # When the processor read the command (its clock), stamped by the processor's consuming shell
+    # after decoding and before ``decide``; issuers leave it 0. The core never reads a clock: this
+    # stamp is the decision's input, recorded on the ledger entry, and a command decided again
+    # after a crash is given the stamp its first decision recorded.
+    read_at_ms: Millis = 0
     reply_to: ReplyTo | None = None
 
 

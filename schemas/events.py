@@ -72,7 +72,8 @@ class AdmissionRejected(_EventBase):
     type: Literal["AdmissionRejected"] = "AdmissionRejected"
     # v2 added pool: a retryable refusal is re-admitted on a same-key retry, into the pool of the version
     # resolved here (v1 readers assumed the one pool "default"; v1 records upcast to "").
-    schema_version: int = 2
+    # v3 added read_at_ms and decide_by_ms (v2 records upcast to 0, 0).
+    schema_version: int = 3
     idempotency_key: str
     fingerprint: str
     model_alias: str
@@ -84,6 +85,10 @@ class AdmissionRejected(_EventBase):
     window_start_ms: int
     window_limit: int
     reset_at_ms: int
+    # Set only when the submit was refused for being read after its decision deadline
+    # (code quota_service_unavailable): when the processor read it and the deadline it carried.
+    read_at_ms: int
+    decide_by_ms: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -277,3 +282,7 @@ class LedgerEntry:
     command_type: str
     user_id: str
     events: tuple[Annotated[Event, Field(discriminator="type")], ...]
+    # The processor's read stamp of a SubmitGeneration that carried a decision deadline (0 for every
+    # other command): the one non-derived input of its decision, kept here so that a processor
+    # deciding the command again after a crash uses the same stamp (projections/ledger/read_stamps.py).
+    read_at_ms: int = 0

@@ -70,6 +70,14 @@ def _rejected_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+@upcaster("AdmissionRejected", 2)
+def _rejected_v2_to_v3(doc: dict[str, Any]) -> dict[str, Any]:
+    # Before decision deadlines no refusal was for a submit read too late.
+    doc.setdefault("read_at_ms", 0)
+    doc.setdefault("decide_by_ms", 0)
+    return doc
+
+
 def _union(types: tuple[type, ...]) -> TypeAdapter[Any]:
     return TypeAdapter(Annotated[Union[types], Field(discriminator="type")])  # type: ignore[valid-type]
 

@@ -22,6 +22,11 @@ commands may or may not have gone out before the crash); workers crash mid-gener
 then expire and the timer's ``ReconcileDue`` fences them); clients cancel; the whole system pauses
 (the clock jumps past deadlines, window boundaries and the dedup retention).
 
+Submits carry the edge's decision deadline and the processor stamps when it read each one, as the
+real processor does; a slow append, a processor restart or a pause makes it read some of them after
+their deadline (they are refused, holding nothing). After a crash the processor gives a re-read
+command the stamp recorded on its ledger entry, if that entry landed (``read_stamps`` in the real one).
+
 Checks, after every step: the ``InvariantMonitor`` over the ledger entries actually appended
 (de-duplicated by event id) and ``check_state`` on the processor's live state. After draining (every
 deadline passed and reconciled): no reservation RESERVED, no slot held, no active generation, the
@@ -35,6 +40,7 @@ A failure raises ``SimulationFailed("SIMULATOR FAILED seed=<n> step=<k>: <what>"
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections import Counter, defaultdict, deque
@@ -43,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from control_plane.aggregate import Aggregate, handle
-from control_plane.decide import next_deadline_ms
+from control_plane.decide import next_deadline_ms, read_past_deadline
 from control_plane.evolve import evolve_all
 from control_plane.invariants import InvariantMonitor, Violation, check_state
 from control_plane.policy import ModelEntry, Policy
@@ -91,6 +97,11 @@ class SimConfig:
     worker_crash_p: float = 0.002  # per decode step
     worker_restart_ms: tuple[int, int] = (500, 8_000)
     edge_timeout_ms: int = 700
+    # A submit's decision deadline is this much before the edge stops waiting; the edge's and the
+    # processor's clocks agree within decision_clock_skew_ms for it (the skew above tests the core's
+    # use of issuer time; a deadline is only meaningful between clocks kept in step, such as by NTP).
+    edge_decision_margin_ms: int = 250
+    decision_clock_skew_ms: int = 100
     edge_retries_max: int = 4
     cancel_p: float = 0.2
     conflict_p: float = 0.03  # a client reuses a key with different content
@@ -140,6 +151,7 @@ class Stats:
     pauses: int = 0
     inferences_started: int = 0
     edge_timeouts: int = 0
+    submits_read_late: int = 0  # submits the processor read after their decision deadline
     outcomes: Counter[str] = field(default_factory=Counter)
 
 
@@ -162,6 +174,8 @@ class Simulation:
         self.monitor = InvariantMonitor(concurrency_limit=self.config.concurrency_limit)
         self.ledger: dict[str, ev.Event] = {}  # event id -> event, de-duplicated, in append order
         self.usage_topic: dict[str, ev.UsageRecorded] = {}
+        # command id -> the read stamp on the first of its ledger entries that landed.
+        self.read_stamps: dict[str, int] = {}
         self.processor = Processor(self)
         self.edge = Edge(self)
         self.workers = [Worker(self, f"w{i}") for i in range(self.config.workers)]
@@ -226,6 +240,8 @@ class Simulation:
     def commit_ledger(self, value: bytes) -> None:
         """A ledger entry reached the log: audit it as one command's atomic change, de-duplicated by id."""
         entry = decode_ledger_entry(value)
+        if entry.read_at_ms:
+            self.read_stamps.setdefault(entry.command_id, entry.read_at_ms)
         violations = self.monitor.observe_batch(entry.events)
         if violations:
             self.fail(violations)
@@ -396,6 +412,9 @@ class Processor:
         self.commit_after = sim.between(sim.config.commit_every)
         self.pending_ledger: list[tuple[int, bytes]] = []  # (offset, entry) not yet on the ledger log
         self.clock_skew_ms = sim.skew()  # the timer's clock
+        # The clock it stamps reads with, and the stamps it read back from the ledger at its last start.
+        self.read_clock_skew_ms = sim.rng.randint(-sim.config.decision_clock_skew_ms, sim.config.decision_clock_skew_ms)
+        self.recalled: dict[str, int] = {}
         self.in_flight: list[tuple[int, list[int]]] = []  # (offset, heap seqs) of outputs still travelling
 
     def track(self, origin: int, seqs: list[int]) -> None:
@@ -428,6 +447,10 @@ class Processor:
 
     def consume(self, command: cmd.Command, origin: int) -> None:
         sim = self.sim
+        if isinstance(command, cmd.SubmitGeneration) and command.decide_by_ms:
+            read_at = self.recalled.get(command.command_id, sim.now_ms + self.read_clock_skew_ms)
+            command = dataclasses.replace(command, read_at_ms=read_at)
+            sim.stats.submits_read_late += read_past_deadline(command)
         user = command.user_id
         before = self.aggregates.get(user) or Aggregate.empty(user)
         after, decision, redelivered = handle(before, command, sim.policy)
@@ -492,10 +515,14 @@ class Processor:
 
     def restart(self) -> None:
         self.up = True
+        # What the real processor reads back from the ledger's tail when its partitions are assigned.
+        self.recalled = dict(self.sim.read_stamps)
         self.schedule()
 
     def process_all(self) -> None:
         """Restart if down, consume the rest of the log without faults, and commit."""
+        if not self.up:
+            self.recalled = dict(self.sim.read_stamps)
         self.up = True
         while self.offset < len(self.log):
             self.offset += 1
@@ -541,6 +568,12 @@ class Edge:
         self.history: dict[str, list[Request]] = defaultdict(list)
         self.fingerprints: dict[tuple[str, str], set[str]] = defaultdict(set)
         self.clock_skew_ms = sim.skew()
+        self.deadline_clock_skew_ms = sim.rng.randint(-sim.config.decision_clock_skew_ms, sim.config.decision_clock_skew_ms)
+
+    def decide_by_ms(self) -> int:
+        """A submit's decision deadline: the margin before this edge stops waiting, on its deadline clock."""
+        config = self.sim.config
+        return self.sim.now_ms + self.deadline_clock_skew_ms + config.edge_timeout_ms - config.edge_decision_margin_ms
 
     def reply_to(self) -> tuple[str, cmd.ReplyTo]:
         request_id = self.sim.new_id("edge:r")
@@ -585,6 +618,7 @@ class Edge:
             max_output_tokens=request.max_output_tokens,
             input_tokens=sim.rng.randint(1, 500),
             estimated_queue_wait_ms=5_000 if sim.rng.random() < 0.03 else 0,
+            decide_by_ms=self.decide_by_ms(),
             reply_to=reply_to,
         )
         self.pending[request_id] = ("submit", request)
@@ -616,8 +650,11 @@ class Edge:
             return
         self.sim.stats.edge_timeouts += 1
         kind, request = entry
-        # No answer in time: the client saw 503 and retries with the same key (the command may still
-        # have been decided; the retry then finds it).
+        # No answer in time: the client saw 503 and retries with the same key. A submit read after its
+        # deadline holds nothing; one decided in time whose answer was lost is found by the retry.
+        self.retry(kind, request)
+
+    def retry(self, kind: str, request: Request) -> None:
         if kind == "submit" and request.tries < self.sim.config.edge_retries_max:
             self.sim.at(self.sim.between((50, 1_000)), self.submit, request)
         elif kind == "cancel" and request.cancel_tries < self.sim.config.edge_retries_max:
@@ -645,6 +682,8 @@ class Edge:
             self.by_generation[outcome.generation_id] = request
             if sim.rng.random() < sim.config.cancel_p:
                 sim.at(sim.between((0, 6_000)), self.cancel, request)
+        elif code is RejectionCode.QUOTA_SERVICE_UNAVAILABLE:
+            self.retry(kind, request)  # read after its deadline: the edge answers 503, as on a timeout
         elif code in (RejectionCode.CONCURRENCY_LIMITED, RejectionCode.CAPACITY_EXHAUSTED):
             if request.admission_retries < 3:
                 request.admission_retries += 1

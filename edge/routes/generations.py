@@ -219,10 +219,11 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
         raise ApiError(RejectionCode.RATE_LIMITED, details=RejectionDetails(retry_after_ms=int(wait_s * 1000)))
     estimate_ms = edge.capacity.estimate_wait_ms(model.pool) if settings.capacity_check else 0
     request_id = request.state.request_id
+    issued_at_ms = _now_ms()
     command = SubmitGeneration(
         command_id=uuid.uuid4().hex,
         user_id=principal.user_id,
-        issued_at_ms=_now_ms(),
+        issued_at_ms=issued_at_ms,
         idempotency_key=key,
         fingerprint=fingerprint(settings.fingerprint_key, req.model, messages, req.max_output_tokens),
         model_alias=req.model,
@@ -231,11 +232,17 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
         max_output_tokens=req.max_output_tokens,
         input_tokens=input_tokens,
         estimated_queue_wait_ms=min(estimate_ms, 2**53),
+        # The wait below starts after the append, so the deadline falls at least the skew margin
+        # before this edge gives up: a submit the processor reads later is refused holding nothing,
+        # and the 503 below never charges the client.
+        decide_by_ms=settings.decide_by_ms(issued_at_ms),
         reply_to=edge.client.reply_to(request_id),
     )
     try:
         outcome: Outcome = await edge.client.decide(command, timeout_s=settings.decision_timeout_s)
     except (DecisionTimeout, TooManyPending):
+        # Fail closed. Nothing is charged: the processor refuses this submit if it reads it after
+        # decide_by_ms, and a decision made before that reaches this edge within the margin.
         edge.metrics.admissions.labels(RejectionCode.QUOTA_SERVICE_UNAVAILABLE.value).inc()
         raise ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE) from None
     edge.metrics.decision_latency.observe(time.monotonic() - received_s)

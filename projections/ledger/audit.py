@@ -43,6 +43,9 @@ class AuditReport:
     terminal: Counter[str] = field(default_factory=Counter)
     consumed: int = 0
     released: int = 0
+    # Submits refused, holding nothing, because the processor read them after their decision deadline
+    # (their edge had answered 503 quota_service_unavailable).
+    refused_late: int = 0
     violations: list[Violation] = field(default_factory=list)
     table_users: int | None = None
     mismatches: list[str] = field(default_factory=list)
@@ -61,6 +64,7 @@ class AuditReport:
             "generations by terminal state: "
             + (", ".join(f"{k}={v}" for k, v in sorted(self.terminal.items())) or "none"),
             f"messages consumed: {self.consumed}, released: {self.released}",
+            f"submits refused as read after their decision deadline: {self.refused_late}",
         ]
         if self.table_users is not None:
             lines.append(f"table users compared: {self.table_users}, mismatches: {len(self.mismatches)}")
@@ -94,6 +98,8 @@ class Auditor:
                 self.report.released += 1
             elif isinstance(e, ev.TERMINAL_EVENT_TYPES):
                 self.report.terminal[type(e).__name__.removeprefix("Generation").lower()] += 1
+            elif isinstance(e, ev.AdmissionRejected) and e.decide_by_ms and e.read_at_ms > e.decide_by_ms:
+                self.report.refused_late += 1
 
     def feed_raw(self, where: str, value: bytes | None) -> None:
         try:
@@ -168,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             "terminal": dict(report.terminal),
             "consumed": report.consumed,
             "released": report.released,
+            "refused_late": report.refused_late,
             "violations": [str(v) for v in report.violations],
             "mismatches": report.mismatches,
             "undecodable": report.undecodable,

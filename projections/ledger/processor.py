@@ -20,6 +20,11 @@ from that state, with the same derived ids. (Writing the table first lost the le
 command whose state reached the changelog while its events did not; its redelivery was skipped as
 already applied and the audit found the table ahead of the ledger.)
 
+The one input that is not in the log is the time a submit is read, against its decision deadline:
+the agent stamps it into the command (``SubmitGeneration.read_at_ms``) before ``handle``, ``route``
+records it on the ledger entry, and a command decided again after a crash gets the recorded stamp
+back (``read_stamps``, read from the ledger's tail at assignment).
+
 faust is used here through its public API; every place the processor goes around it (the raw
 producer, the table's changelog and store, the consumer's gap bookkeeping, the Monitor sensor, the
 consumer's assignment) is a function of ``faust_adapter``, which says why and what it relies on.
@@ -32,7 +37,7 @@ import base64
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable
 
 import faust
@@ -48,8 +53,9 @@ from projections.shared.kafka_settings import kafka_client_kwargs
 from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
 from projections.ledger.settings import ProcessorSettings
+from projections.ledger.read_stamps import recall_read_stamps
 from projections.ledger.table_store import EMPTY_LAYOUT, Layout, TableWrites, is_settled_key, join, plan, unpack_deadline
-from schemas.commands import ReconcileDue
+from schemas.commands import ReconcileDue, SubmitGeneration
 from schemas.topics import TIERS, USER_TO_LEDGER_TABLE
 from schemas.wire import WireError, decode_command, encode
 
@@ -143,6 +149,10 @@ class AdmissionProcessor:
         # partition -> the offset the next command of it must have (from the committed offset at
         # assignment, then the last delivered one); a larger offset reveals commands faust skipped.
         self._expected: dict[int, int] = {}
+        # partition -> command id -> the read stamp a decision of it recorded on the ledger (before a
+        # crash, possibly by another instance): a command read again gets that stamp (read_stamps.py).
+        self._recalled: dict[int, dict[str, int]] = {}
+        self._recall_error: Exception | None = None
         self._expected_known = asyncio.Event()
         self._expected_known.set()
         self._faults_skip = set(settings.fault_skip_deliveries)
@@ -171,6 +181,17 @@ class AdmissionProcessor:
         self._expected_known.clear()
         try:
             self._expected = await self._committed_offsets(mine)
+            try:
+                self._recalled = await recall_read_stamps(
+                    self._outside_reader(),
+                    self.topology.ledger.name,
+                    mine,
+                    self.settings.stamp_recall_entries_max,
+                    self.settings.gap_fill_timeout_s,
+                )
+                self._recall_error = None
+            except Exception as exc:  # noqa: BLE001 - raised in the agent, which must not decide without them
+                self._recall_error = exc
         finally:
             self._expected_known.set()
 
@@ -205,6 +226,17 @@ class AdmissionProcessor:
         finally:
             await reader.stop()
 
+    def _outside_reader(self) -> Any:
+        """An unstarted consumer outside the group, for reading a topic's records directly."""
+        from aiokafka import AIOKafkaConsumer
+
+        return AIOKafkaConsumer(
+            bootstrap_servers=self.settings.kafka_bootstrap,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",  # a start already removed by retention: from the first one kept
+            **kafka_client_kwargs(),
+        )
+
     async def _on_revoked(self, sender: Any, revoked: set[Any], **_: Any) -> None:
         lost = {tp.partition for tp in revoked if tp.topic == self.topology.commands.name}
         if lost:
@@ -213,6 +245,7 @@ class AdmissionProcessor:
             self._unwritten = {k: v for k, v in self._unwritten.items() if user_partition(k, self.partitions) not in lost}
             for p in lost:
                 self._expected.pop(p, None)
+                self._recalled.pop(p, None)
 
     # --- the agent --------------------------------------------------------------------------
 
@@ -226,6 +259,10 @@ class AdmissionProcessor:
                 partition, offset = message.partition, message.offset
                 if not self._expected_known.is_set():
                     await self._expected_known.wait()
+                if self._recall_error is not None:
+                    # A command decided again without the stamp its first decision used could be
+                    # decided otherwise under the same event ids: stop rather than guess.
+                    raise RuntimeError("could not read the ledger's read stamps back at assignment") from self._recall_error
                 if (partition, offset) in self._faults_skip:
                     self._faults_skip.discard((partition, offset))  # a test's fault: faust skipping it
                     continue
@@ -395,6 +432,8 @@ class AdmissionProcessor:
             reason = "message key is not the command's user_id"
             pending.sends.append(await self._dead_letter(partition, offset, key, value, reason))
             return pending
+        if type(command) is SubmitGeneration and command.decide_by_ms:
+            command = replace(command, read_at_ms=self._read_stamp(partition, command.command_id))
         try:
             before, layout = self._aggregate(user_key, command.user_id)
             after, decision, redelivered = handle(before, command, self.policy, offset)
@@ -424,6 +463,15 @@ class AdmissionProcessor:
         for out in route(self.topology, before.ledger, after.ledger, command, decision, partition):
             pending.sends.append(await faust_adapter.send_record(self.app, out.topic, out.key, out.value, out.partition))
         return pending
+
+    def _read_stamp(self, partition: int, command_id: str) -> int:
+        """When this submit is read: now, or the stamp a decision of it already recorded on the ledger.
+
+        The one clock reading a decision depends on (``decide`` refuses a submit read after its
+        deadline); it goes into the command, and ``route`` records it on the ledger entry."""
+        recalled = self._recalled.get(partition)
+        stamp = recalled.get(command_id) if recalled else None
+        return stamp if stamp is not None else int(time.time() * 1000)
 
     async def _dead_letter(
         self, partition: int, offset: int, key: bytes | None, value: bytes, reason: str

@@ -51,5 +51,9 @@ class ProcessorSettings:
     fault_skip_deliveries: frozenset[tuple[int, int]] = setting(
         "CHATPLANE_FAULT_SKIP_DELIVERIES", frozenset(), parse=_pairs, expected="partition:offset pairs, comma-separated"
     )
+    # Ledger entries read back per assigned partition at assignment, for the read stamps of commands a
+    # crashed processor decided but did not make durable (projections/ledger/read_stamps.py); at least
+    # twice the pending bound above, since those decisions are all at the end of the partition.
+    stamp_recall_entries_max: int = setting("CHATPLANE_PROCESSOR_STAMP_RECALL_ENTRIES_MAX", 5_000, ge=0)
     data_dir: str = setting("CHATPLANE_DATA_DIR", "var/processor")
     policy: Policy = field(default_factory=policy_from_env)

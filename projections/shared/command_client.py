@@ -33,7 +33,9 @@ INBOX_FETCH_MAX_WAIT_MS = 5
 
 
 class DecisionTimeout(TimeoutError):
-    """No decision arrived in time; the command may still be decided (a same-key retry finds it)."""
+    """No decision arrived in time. The command may still be decided, except a submit carrying a
+    decision deadline (``SubmitGeneration.decide_by_ms``), which is refused holding nothing if read
+    after it; either way a same-key retry finds the request."""
 
 
 class TooManyPending(RuntimeError):

@@ -241,6 +241,17 @@ async def test_decision_timeout_fails_closed_as_quota_service_unavailable():
     assert len(fake.commands) == 1
 
 
+async def test_a_submit_carries_a_decision_deadline_the_skew_margin_before_the_edge_gives_up():
+    # The processor refuses a submit it reads after decide_by_ms, so the 503 the edge answers once its
+    # own wait (decision_timeout_s, from after the append) is over has charged nothing.
+    settings, _, fake, http = make(decision_timeout_s=1.5, decision_skew_margin_ms=250)
+    async with http:
+        await http.post("/v1/generations", json=BODY, headers=hdrs(settings))
+    (command,) = fake.commands
+    assert command.decide_by_ms == command.issued_at_ms + 1_500 - 250
+    assert command.read_at_ms == 0, "only the processor stamps when it read a command"
+
+
 async def test_quota_exhausted_carries_limit_remaining_reset_at():
     reset = 1_800_000_000_000
     settings, _, fake, http = make(

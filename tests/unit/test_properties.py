@@ -202,21 +202,46 @@ class LedgerMachine(RuleBasedStateMachine):
         queue_wait_ms=st.sampled_from([0] * 8 + [500, 5_000]),
         max_output_tokens=st.sampled_from([100] * 4 + [1000] * 4 + [5000]),
         skew=SKEW,
+        read=st.sampled_from(["no deadline"] * 4 + ["in time"] * 2 + ["late"]),
     )
-    def submit(self, user, key, fingerprint, tier, model, queue_wait_ms, max_output_tokens, skew) -> None:
-        self.run(
-            cmd.SubmitGeneration(
-                **self.base(user, skew),
-                idempotency_key=key,
-                fingerprint=fingerprint,
-                model_alias=model,
-                tier=tier,
-                stream=True,
-                max_output_tokens=max_output_tokens,
-                input_tokens=10,
-                estimated_queue_wait_ms=queue_wait_ms,
-            )
+    def submit(self, user, key, fingerprint, tier, model, queue_wait_ms, max_output_tokens, skew, read) -> None:
+        # The edge's decision deadline and the processor's read stamp (its clock is now_ms).
+        stamps = {}
+        if read != "no deadline":
+            stamps = dict(decide_by_ms=self.now_ms + 1_700, read_at_ms=self.now_ms + (30_000 if read == "late" else 5))
+        command = cmd.SubmitGeneration(
+            **self.base(user, skew),
+            idempotency_key=key,
+            fingerprint=fingerprint,
+            model_alias=model,
+            tier=tier,
+            stream=True,
+            max_output_tokens=max_output_tokens,
+            input_tokens=10,
+            estimated_queue_wait_ms=queue_wait_ms,
+            **stamps,
         )
+        before = self.aggregates[user].ledger
+        decision = self.run(command)
+        if read == "late":
+            self.check_late_submit(before, command, decision)
+
+    def check_late_submit(self, before: UserLedger, command: cmd.SubmitGeneration, decision: Any) -> None:
+        """A submit read after its deadline holds nothing new; of a key admitted or settled, it answers
+        exactly as a submit read in time would."""
+        after = self.aggregates[command.user_id].ledger
+        assert after.slots == before.slots
+        assert {k: r.state for k, r in after.reservations.items()} == {k: r.state for k, r in before.reservations.items()}
+        record = before.requests.get(command.idempotency_key)
+        on_time = decide(before, dataclasses.replace(command, read_at_ms=0), POLICY)
+        refused = [e for e in decision.events if isinstance(e, ev.AdmissionRejected)]
+        if refused and refused[0].code is RejectionCode.QUOTA_SERVICE_UNAVAILABLE:
+            assert record is None or record.status is RequestStatus.ADMISSION_RETRYABLE
+            assert refused[0].status is RequestStatus.ADMISSION_RETRYABLE
+            assert refused[0].read_at_ms == command.read_at_ms and refused[0].decide_by_ms == command.decide_by_ms
+            assert not any(isinstance(e, ev.GenerationAdmitted) for e in decision.events)
+        else:
+            assert decision == on_time, "lateness changed the answer about an existing request"
 
     @rule(data=st.data(), delta=st.sampled_from([0, 0, 0, -1, 1]), worker=st.sampled_from(WORKERS), skew=SKEW)
     def accept(self, data, delta, worker, skew) -> None:
@@ -318,6 +343,9 @@ class LedgerMachine(RuleBasedStateMachine):
         if not history:
             return
         command, original = history[-min(back, len(history))]
+        if isinstance(command, cmd.SubmitGeneration) and command.read_at_ms:
+            # Read again later, past any deadline: the remembered decision still answers it.
+            command = dataclasses.replace(command, read_at_ms=command.read_at_ms + 60_000)
         before = self.aggregates[user]
         after, decision, redelivered = handle(before, command, POLICY)
         assert redelivered, "a redelivered command within the memory bound was decided again"

@@ -46,3 +46,25 @@ def test_a_version_from_the_future_is_refused_with_a_reason():
     doc["events"][0]["schema_version"] = 99
     with pytest.raises(WireError, match="unsupported schema_version 99"):
         decode_ledger_entry(orjson.dumps(doc))
+
+
+def test_a_v2_admission_rejected_is_upcast_with_no_read_stamp_or_deadline():
+    # v3 records when a submit refused for lateness was read and the deadline it carried; no refusal
+    # written before decision deadlines existed was one of those.
+    from schemas.events import AdmissionRejected, LedgerEntry
+    from schemas.wire import encode
+
+    v2 = {
+        "type": "AdmissionRejected", "schema_version": 2, "event_id": "c1/0", "command_id": "c1", "user_id": "u",
+        "generation_id": "gen_x", "occurred_at_ms": 1, "idempotency_key": "k", "fingerprint": "fp-aaaaaaaa",
+        "model_alias": "m", "model_version": "m-v1", "pool": "p", "tier": "free", "code": "concurrency_limited",
+        "status": "admission_retryable", "window_start_ms": 0, "window_limit": 40, "reset_at_ms": 10,
+    }
+    entry = {"type": "LedgerEntry", "schema_version": 1, "command_id": "c1", "command_type": "SubmitGeneration", "user_id": "u", "events": [v2]}
+    decoded = decode_ledger_entry(orjson.dumps(entry))
+    (refused,) = decoded.events
+    assert isinstance(refused, AdmissionRejected) and refused.schema_version == 3
+    assert (refused.read_at_ms, refused.decide_by_ms) == (0, 0)
+    assert decoded.read_at_ms == 0, "an entry written before read stamps has none"
+    assert decode_ledger_entry(encode(decoded)) == decoded
+    assert isinstance(decoded, LedgerEntry)

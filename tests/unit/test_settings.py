@@ -91,6 +91,20 @@ def test_a_relation_between_two_variables_names_both(monkeypatch):
         ReadModelSettings()
 
 
+def test_the_decision_deadline_margin_must_leave_time_to_decide(monkeypatch):
+    monkeypatch.setenv("CHATPLANE_EDGE_DECISION_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("CHATPLANE_EDGE_DECISION_SKEW_MARGIN_MS", "500")
+    with pytest.raises(SettingsError, match="CHATPLANE_EDGE_DECISION_SKEW_MARGIN_MS=500, CHATPLANE_EDGE_DECISION_TIMEOUT_S=0.5"):
+        EdgeSettings()
+    monkeypatch.setenv("CHATPLANE_EDGE_DECISION_SKEW_MARGIN_MS", "200")
+    s = EdgeSettings()
+    # The deadline falls the margin before the edge stops waiting.
+    assert s.decide_by_ms(1_000_000) == 1_000_000 + 500 - 200
+    assert EdgeSettings(decision_timeout_s=2.0).decision_skew_margin_ms == 200
+    monkeypatch.delenv("CHATPLANE_EDGE_DECISION_SKEW_MARGIN_MS")
+    assert EdgeSettings(decision_timeout_s=2.0).decision_skew_margin_ms == 300  # the default
+
+
 def test_a_value_with_a_newline_stays_one_line(monkeypatch):
     monkeypatch.setenv("CHATPLANE_EDGE_STREAMS_MAX", "1\n2")
     with pytest.raises(SettingsError) as caught:

@@ -147,3 +147,17 @@ def test_a_processor_without_its_command_memory_is_caught(monkeypatch: pytest.Mo
     # Most commands are naturally idempotent, so duplicates are made frequent enough to hit one that is not.
     monkeypatch.setattr(aggregate_module.Aggregate, "remembered", lambda self, command_id: None)
     _expect_failure(range(1, 8), 10_000, "invariant 0", config=SimConfig(net_dup_p=0.2))
+
+
+def test_a_processor_that_does_not_read_its_stamps_back_after_a_crash_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A submit decided in time whose admission landed on the ledger before the crash is read again,
+    # later, after the restart: stamped afresh it is past its deadline and refused under the same
+    # event ids. Reading the stamps back from the ledger (projections/ledger/read_stamps.py) keeps it.
+    from control_plane.simulator import Processor
+
+    def restart_forgetting_stamps(self: Processor) -> None:
+        self.up = True
+        self.schedule()
+
+    monkeypatch.setattr(Processor, "restart", restart_forgetting_stamps)
+    _expect_failure(range(1, 8), 25_000, "invariant 0")

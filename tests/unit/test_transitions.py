@@ -504,6 +504,141 @@ def test_state_is_a_projection_of_the_events():
     assert evolve_all(UserLedger(L.user_id), L.all_events) == L.state
 
 
+# --- decision deadline: a 503 never charges -------------------------------------------------
+#
+# The edge gives every submit a deadline (decide_by_ms) a clock-skew margin before it stops waiting
+# and answers 503 quota_service_unavailable; the processor stamps when it read the command
+# (read_at_ms). A submit read after its deadline is refused, holding nothing.
+
+EDGE_WAIT_MS = 2_000
+
+
+def late(L: Ledger) -> dict:
+    """Deadline and read stamp of a submit the processor read after its edge gave up."""
+    return dict(decide_by_ms=L.now_ms + EDGE_WAIT_MS - 300, read_at_ms=L.now_ms + 30_000)
+
+
+def in_time(L: Ledger) -> dict:
+    return dict(decide_by_ms=L.now_ms + EDGE_WAIT_MS - 300, read_at_ms=L.now_ms + 5)
+
+
+def holds_nothing(L: Ledger) -> bool:
+    return not L.state.slots and all(r.state is not ReservationState.RESERVED for r in L.state.reservations.values())
+
+
+def test_a_submit_read_after_its_decision_deadline_is_refused_holding_nothing_and_says_why():
+    L = Ledger()
+    stamps = late(L)
+    d = L.submit("k1", **stamps)
+    assert types(d) == ["AdmissionRejected"]
+    refused = d.events[0]
+    assert (refused.code, refused.status) == (RejectionCode.QUOTA_SERVICE_UNAVAILABLE, RequestStatus.ADMISSION_RETRYABLE)
+    assert (refused.read_at_ms, refused.decide_by_ms) == (stamps["read_at_ms"], stamps["decide_by_ms"])
+    assert d.outcome.code is RejectionCode.QUOTA_SERVICE_UNAVAILABLE and d.outcome.status is RequestStatus.ADMISSION_RETRYABLE
+    assert L.state.windows == {} and L.state.reservations == {} and L.state.slots == {}
+    # The client was told 503 (retry later); its same-key retry gets a fresh decision, admitted once.
+    retry = L.submit("k1", **in_time(L))
+    assert types(retry) == ["GenerationAdmitted"] and retry.events[0].epoch == 1
+    assert retry.outcome.generation_id == d.outcome.generation_id, "the key keeps its generation id"
+    assert (L.window().reserved, L.window().used) == (1, 0)
+    again = L.submit("k1", **in_time(L))
+    assert again.outcome.code is RejectionCode.GENERATION_IN_PROGRESS and L.window().reserved == 1
+    L.accept(retry.outcome.generation_id)
+    assert (L.window().reserved, L.window().used) == (0, 1), "one message, for the retry that ran"
+
+
+def test_a_submit_read_by_its_deadline_or_without_one_is_decided_as_ever():
+    L = Ledger()
+    at_deadline = L.submit("a", decide_by_ms=T0 + 1_000, read_at_ms=T0 + 1_000)
+    assert at_deadline.outcome.kind is OutcomeKind.ADMITTED
+    unstamped = L.submit("b", decide_by_ms=T0 + 1_000)  # a core not behind a stamping processor
+    assert unstamped.outcome.kind is OutcomeKind.ADMITTED
+    # Both slots are held now; a submit without a deadline, read however late, is decided as ever.
+    no_deadline = L.submit("c", read_at_ms=T0 + 10 * HOUR)
+    assert no_deadline.outcome.code is RejectionCode.CONCURRENCY_LIMITED
+    assert no_deadline.events[0].read_at_ms == 0 and no_deadline.events[0].decide_by_ms == 0
+
+
+def test_lateness_is_judged_before_quota_and_slots_so_a_late_submit_is_never_a_final_refusal():
+    # The client heard "retry later" (503), not "your allowance is used": the key stays retryable
+    # and the retry gets the real answer.
+    L = Ledger(policy=Policy(quota_limit_by_tier={Tier.FREE: 1, Tier.PAID: 1}))
+    admitted(L, "a")
+    d = L.submit("b", **late(L))
+    assert d.outcome.code is RejectionCode.QUOTA_SERVICE_UNAVAILABLE
+    assert L.state.requests["b"].status is RequestStatus.ADMISSION_RETRYABLE
+    assert L.submit("b", **in_time(L)).outcome.code is RejectionCode.QUOTA_EXHAUSTED
+
+
+def test_a_retryable_key_read_late_again_is_refused_again_and_keeps_its_generation_and_epoch():
+    L = Ledger()
+    g = admitted(L, "k1")
+    L.decline(g)  # proven never started: back to admission, epoch 1 fenced
+    before = L.state.requests["k1"]
+    d = L.submit("k1", **late(L))
+    assert types(d) == ["AdmissionRejected"] and d.events[0].code is RejectionCode.QUOTA_SERVICE_UNAVAILABLE
+    after = L.state.requests["k1"]
+    assert after.status is RequestStatus.ADMISSION_RETRYABLE and (after.epoch, after.fenced_epoch) == (before.epoch, 1)
+    assert holds_nothing(L)
+    retry = L.submit("k1", **in_time(L))
+    assert retry.outcome.kind is OutcomeKind.ADMITTED and (retry.outcome.generation_id, retry.outcome.epoch) == (g, 2)
+
+
+@pytest.mark.parametrize("settled", ["queued", "running", "completed", "cancelled", "quota_rejected"])
+def test_a_late_same_key_submit_of_admitted_or_settled_work_answers_as_before(settled):
+    L = Ledger(policy=Policy(quota_limit_by_tier={Tier.FREE: 1, Tier.PAID: 1}))
+    if settled == "quota_rejected":
+        admitted(L, "other")
+        L.submit("k1")
+    else:
+        g = admitted(L, "k1")
+        if settled == "running":
+            L.accept(g)
+        elif settled == "completed":
+            L.accept(g)
+            L.report(g)
+        elif settled == "cancelled":
+            L.cancel(g)
+    on_time = L.submit("k1", **in_time(L))
+    events_before = len(L.all_events)
+    late_answer = L.submit("k1", **late(L))
+    assert late_answer.events == () and len(L.all_events) == events_before
+    assert (late_answer.outcome.kind, late_answer.outcome.code, late_answer.outcome.status) == (
+        on_time.outcome.kind,
+        on_time.outcome.code,
+        on_time.outcome.status,
+    )
+
+
+def test_a_redelivered_submit_read_later_is_answered_with_its_remembered_decision():
+    # A redelivery is read later than the first delivery: past the deadline, but the decision was made.
+    L = Ledger()
+    command = L.submit_cmd("k1", **in_time(L))
+    first = L.run(command)
+    assert first.outcome.kind is OutcomeKind.ADMITTED
+    reread = replace(command, read_at_ms=command.decide_by_ms + 60_000)
+    aggregate, again, redelivered = handle(L.aggregate, reread, L.policy, 0)
+    assert redelivered and again == first and aggregate == L.aggregate
+
+
+def test_the_read_stamp_travels_on_the_ledger_entry_and_only_for_submits():
+    from control_plane.routing import route
+    from schemas.topics import Topology
+    from schemas.wire import decode_ledger_entry
+
+    L = Ledger()
+    before = L.state
+    command = L.submit_cmd("k1", **in_time(L))
+    decision = L.run(command)
+    (entry, *_) = route(Topology(), before, L.state, command, decision, 0)
+    assert decode_ledger_entry(entry.value).read_at_ms == command.read_at_ms
+    g = decision.outcome.generation_id
+    before = L.state
+    accept = cmd_accept(L, g)
+    (entry, *_) = route(Topology(), before, L.state, accept, L.run(accept), 0)
+    assert decode_ledger_entry(entry.value).read_at_ms == 0
+
+
 # --- the seed's stories ---------------------------------------------------------------------
 
 
