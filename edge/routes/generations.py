@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Path, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from edge.deps import CurrentPrincipal, IdempotencyKey
@@ -54,6 +54,17 @@ STRICT_PARSING_NOTE = (
 )
 
 
+def _whole_number(value: Any) -> Any:
+    """JSON has one number type: ``16.0`` is the integer 16 (as JSON Schema's ``integer`` says), so a
+    float with no fractional part becomes an int before the strict check; ``16.5``, ``"16"`` and
+    ``true`` still fail it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer field of a request body: strict (no strings, no booleans), whole JSON numbers accepted.
+JsonInt = Annotated[int, BeforeValidator(_whole_number)]
+
+
 class InputMessage(BaseModel):
     model_config = ConfigDict(**_STRICT, json_schema_extra={"description": STRICT_PARSING_NOTE})
     # A client cannot supply system or developer instructions: the orchestrator installs the
@@ -76,7 +87,7 @@ def request_model(messages_count_max: int, max_output_tokens_max: int) -> type[B
         model: str = Field(min_length=1, max_length=128, examples=["fast-text-model"])
         messages: list[InputMessage] = Field(min_length=1, max_length=messages_count_max)
         stream: bool = False
-        max_output_tokens: int = Field(ge=1, le=max_output_tokens_max)
+        max_output_tokens: JsonInt = Field(ge=1, le=max_output_tokens_max)
 
     return GenerationRequest
 

@@ -205,6 +205,8 @@ async def test_a_worker_that_cannot_renew_its_lease_stops_its_engine_by_itself(
         await edge.wait_for(lambda: trace.stopped_at is not None, timeout_s=60, what="the worker to stop its engine")
         assert trace.stop_reason == "lease_lost", trace
         assert trace.tokens_after_stop is not None and trace.tokens_after_stop <= 2, trace
+        # The outcome is set once the engine's last text has gone out (the report begins after it).
+        await edge.wait_for(lambda: trace.outcome is not None, timeout_s=30, what="the worker's report")
         assert trace.outcome is FinishOutcome.FAILED
         # Stopped at the lease it had confirmed, not at the end of the 100,000-token generation.
         assert trace.output_tokens < 4000

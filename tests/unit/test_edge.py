@@ -100,7 +100,7 @@ def assert_typed(resp: httpx.Response, code: RejectionCode) -> dict:
         ({**BODY, "stream": "yes"}, "stream"),
         ({**BODY, "stream": 1}, "stream"),
         ({**BODY, "max_output_tokens": "16"}, "max_output_tokens"),
-        ({**BODY, "max_output_tokens": 16.0}, "max_output_tokens"),
+        ({**BODY, "max_output_tokens": 16.5}, "max_output_tokens"),
         ({**BODY, "max_output_tokens": True}, "max_output_tokens"),
     ],
 )
@@ -111,6 +111,17 @@ async def test_invalid_requests_name_the_field_and_append_nothing(body, field):
     err = assert_typed(r, RejectionCode.INVALID_REQUEST)
     assert err["details"]["field"] == field
     assert fake.commands == []
+
+
+async def test_a_whole_json_number_is_an_integer():
+    # JSON has one number type and the document says "integer": 16.0 is 16 (schemathesis sends such
+    # numbers for valid bodies), while 16.5, "16" and true stay refused (above).
+    refuse = lambda c: Outcome(command_id=c.command_id, kind=OutcomeKind.REJECTED, code=RejectionCode.QUOTA_EXHAUSTED)  # noqa: E731
+    settings, _, fake, http = make(answer=refuse)
+    async with http:
+        r = await http.post("/v1/generations", json={**BODY, "max_output_tokens": 16.0}, headers=hdrs(settings))
+    assert_typed(r, RejectionCode.QUOTA_EXHAUSTED)  # past validation, decided by the core
+    assert [c.max_output_tokens for c in fake.commands] == [16]
 
 
 async def test_oversized_body_is_refused_while_reading_without_buffering_it():
