@@ -45,7 +45,8 @@ from control_plane.policy import HOUR_MS, Policy  # noqa: E402
 from schemas import commands as cmd  # noqa: E402
 from schemas.codes import CancelReason, FinishOutcome, Tier  # noqa: E402
 from schemas.wire import encode  # noqa: E402
-from projections.ledger.table_store import EMPTY_LAYOUT, join, plan  # noqa: E402
+from projections.ledger.table_store import EMPTY_LAYOUT, is_chunk_key, join, plan  # noqa: E402
+from projections.shared.catalog import load_catalog  # noqa: E402
 
 T0_MS = 1_762_441_200_000
 REQUESTS_PER_WINDOW = 40
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-docs", action="store_true", help=f"replace the figures in {DOCS.relative_to(ROOT)}")
     args = parser.parse_args(argv)
 
-    policy = Policy()
+    policy = Policy(models=load_catalog().policy_models())  # the shipped catalog: "fast-text-model"
     workload = Workload(args.users, args.seed, int(args.renew_every_s * 1000))
     warm_end = T0_MS + int(args.warm_hours * HOUR_MS)
     timed_end = warm_end + int(args.timed_hours * HOUR_MS)
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     split_s, split_bytes, split_hot = min(split_runs)
     applied = sum(1 for _ in timed)
     hot_sizes = [len(w.puts[-1][1]) for w in stored.values()]
-    settled_sizes = [len(v) for w in stored.values() for _, v in w.puts[:-1]]
+    settled_sizes = [len(v) for w in stored.values() for k, v in w.puts[:-1] if not is_chunk_key(k)]
     join_some = [stored[a.ledger.user_id] for a in some]
     join_s = per_call_s(lambda: [join(dict(w.puts)[w.puts[-1][0]], dict(w.puts).get, policy) for w in join_some], 3) / len(some)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, assert_never
 
 from control_plane.policy import Policy
-from control_plane.state import RequestRecord, UserLedger, reservation_id, usage_key
+from control_plane.state import RequestRecord, UserLedger, reservation_id, retained_until_ms, usage_key
 from schemas import events as ev
 from schemas.codes import (
     CancelReason,
@@ -139,7 +139,9 @@ def _submit(state: UserLedger, c: SubmitGeneration, policy: Policy, out: _Emitte
     if c.max_output_tokens > policy.max_output_tokens_max:
         return out.reject(RejectionCode.INVALID_REQUEST, details=RejectionDetails(field="max_output_tokens"))
     if len(state.requests) >= policy.dedup_records_per_user_max:
-        _purge_oldest_settled(state, out)
+        refused = _make_room(state, c, policy, out)
+        if refused is not None:
+            return refused
     generation_id = generation_id_for(c.user_id, c.command_id)
     return _admit(state, c, policy, out, generation_id, model.version, model.pool, epoch=1, created=True)
 
@@ -300,11 +302,36 @@ def _free_slot(state: UserLedger, policy: Policy) -> int | None:
     return None
 
 
-def _purge_oldest_settled(state: UserLedger, out: _Emitter) -> None:
-    settled = [r for r in state.requests.values() if not r.status.active]
-    if settled:
-        oldest = min(settled, key=lambda r: (r.updated_at_ms, r.idempotency_key))
-        out.emit(ev.DedupRecordPurged, oldest.generation_id, idempotency_key=oldest.idempotency_key)
+def _make_room(state: UserLedger, c: SubmitGeneration, policy: Policy, out: _Emitter) -> Decision | None:
+    """A new key at the records bound: forget the records already past retention, or refuse.
+
+    A record is never forgotten within its retention (a same-key retry of it would be admitted and
+    charged again), so when none is due the new key is refused, holding nothing and storing nothing:
+    nothing identifies it, and a retry after the delay is decided afresh. The delay is when the
+    oldest record leaves retention, by this command's clock (the timer's ``ReconcileDue`` purges it).
+    """
+    due: list[tuple[tuple[int, str], RequestRecord]] = []
+    earliest: int | None = None
+    for record in state.requests.values():
+        until = retained_until_ms(record, policy.dedup_retention_ms)
+        if until is None:
+            continue
+        if until <= c.issued_at_ms:
+            due.append((_canonical_order(record), record))
+        elif earliest is None or until < earliest:
+            earliest = until
+    if due:
+        due.sort(key=lambda item: item[0])
+        for _, record in due:
+            out.emit(ev.DedupRecordPurged, record.generation_id, idempotency_key=record.idempotency_key)
+        return None
+    # Every record is within retention. (All of them active is impossible while the bound exceeds the
+    # concurrency limit; then the slot's own retry hint applies.)
+    retry_after_ms = earliest - c.issued_at_ms if earliest is not None else CONCURRENCY_RETRY_AFTER_MS
+    return out.reject(
+        RejectionCode.IDEMPOTENCY_KEYS_EXHAUSTED,
+        details=RejectionDetails(limit=policy.dedup_records_per_user_max, retry_after_ms=retry_after_ms),
+    )
 
 
 # --- worker commands ------------------------------------------------------------------------
@@ -568,10 +595,7 @@ def _expire_running(state: UserLedger, record: RequestRecord, out: _Emitter, rea
 
 def purge_at_ms(record: RequestRecord, policy: Policy) -> int | None:
     """When a settled request record may be forgotten; ``None`` while it is active."""
-    if record.status.active:
-        return None
-    settled_at = record.terminal_at_ms if record.status.terminal else record.updated_at_ms
-    return settled_at + policy.dedup_retention_ms
+    return retained_until_ms(record, policy.dedup_retention_ms)
 
 
 def _canonical_order(record: RequestRecord) -> tuple[int, str]:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from control_plane.evolve import evolve
-from control_plane.state import UserLedger
+from control_plane.state import UserLedger, retained_until_ms
 from schemas import events as ev
 from schemas.codes import ReservationState, SlotReleaseReason
 from schemas.wire import encode
@@ -94,6 +95,11 @@ class _History:
 @dataclass
 class InvariantMonitor:
     concurrency_limit: int | None = None
+    # The policy's dedup retention and records bound; with them the monitor also checks that no
+    # request record is forgotten within its retention and that no new key is recorded past the bound
+    # (invariant 7). Without them (a ledger audited without its policy) those two checks are skipped.
+    dedup_retention_ms: int | None = None
+    records_max: int | None = None
     states: dict[str, UserLedger] = field(default_factory=dict)
     _history: dict[str, _History] = field(default_factory=dict)
     _settled: dict[str, ReservationState] = field(default_factory=dict)
@@ -145,12 +151,37 @@ class InvariantMonitor:
             found.extend(check_state(state, self.concurrency_limit))
         return found
 
+    def _check_key(self, e: ev.Event, bad: Callable[[int, str], None]) -> None:
+        """Invariant 7 on the user's request records: within retention a key names one generation."""
+        state = self.states.get(e.user_id)
+        if state is None:
+            return
+        if isinstance(e, (ev.GenerationAdmitted, ev.AdmissionRejected)):
+            held = state.requests.get(e.idempotency_key)
+            if held is not None and held.generation_id != e.generation_id:
+                bad(7, f"key {e.idempotency_key} names {held.generation_id} and {e.generation_id} within retention")
+            elif held is None and self.records_max is not None and len(state.requests) >= self.records_max:
+                bad(7, f"new key {e.idempotency_key} recorded with {len(state.requests)} records held (bound {self.records_max})")
+        elif isinstance(e, ev.DedupRecordPurged):
+            held = state.requests.get(e.idempotency_key)
+            if held is None:
+                return
+            if held.status.active:
+                bad(7, f"key {e.idempotency_key} of active {held.generation_id} forgotten")
+            elif self.dedup_retention_ms is not None:
+                until = retained_until_ms(held, self.dedup_retention_ms)
+                assert until is not None
+                if e.occurred_at_ms < until:
+                    early = until - e.occurred_at_ms
+                    bad(7, f"key {e.idempotency_key} of {held.generation_id} forgotten {early} ms within its retention")
+
     def _check_history(self, e: ev.Event) -> list[Violation]:
         found: list[Violation] = []
 
         def bad(invariant: int, message: str) -> None:
             found.append(Violation(invariant, message, e.user_id, e.event_id))
 
+        self._check_key(e, bad)
         history = self._history.get(e.generation_id)
         if isinstance(e, ev.GenerationAdmitted):
             spent = self._window_spent.setdefault((e.user_id, e.window_start_ms), [e.window_limit, 0])

@@ -37,7 +37,12 @@ class Policy:
     run_deadline_grace_ms: int = 5_000
     dedup_retention_ms: int = 24 * HOUR_MS  # request records, after terminal (never while active)
     result_ttl_ms: int = 1 * HOUR_MS  # the result store's content TTL
-    dedup_records_per_user_max: int = 2_048  # beyond this the oldest settled records are purged early
+    # Request records per user (active and settled). A record is never forgotten within its retention:
+    # at the bound a new key is refused (idempotency_keys_exhausted) until the oldest one leaves it.
+    # 8,192 new keys a day is 5 times the paid tier's quota (1,600), so a client within its quota that
+    # retries with the same key never meets it; each record costs ~1 KB of table and ~2 KB of the
+    # processor's memory (docs/retention.md, "The bound on request records").
+    dedup_records_per_user_max: int = 8_192
     max_output_tokens_max: int = 4_096
     # The model catalog's core view (alias -> version, pool, tiers). Empty here: the processes fill it
     # from the one catalog file (projections.shared.catalog), tests and the simulator from their own.

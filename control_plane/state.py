@@ -111,6 +111,19 @@ class UserLedger:
         return None if key is None else self.requests.get(key)
 
 
+def retained_until_ms(record: RequestRecord, dedup_retention_ms: int) -> int | None:
+    """When a settled request record may be forgotten; ``None`` while it is active (never forgotten).
+
+    A terminal record is kept ``dedup_retention_ms`` after it became terminal, an admission-retryable
+    one (settled but not terminal) as long after its latest change. The one definition of the
+    retention, used by ``decide`` (purges, the bound's refusal) and by the invariant monitor.
+    """
+    if record.status.active:
+        return None
+    settled_at = record.terminal_at_ms if record.status.terminal else record.updated_at_ms
+    return settled_at + dedup_retention_ms
+
+
 def usage_key(generation_id: str, epoch: int) -> str:
     return f"{generation_id}/{epoch}"
 

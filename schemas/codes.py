@@ -127,6 +127,9 @@ class RejectionCode(StrEnum):
     QUOTA_EXHAUSTED = "quota_exhausted"
     RATE_LIMITED = "rate_limited"
     CONCURRENCY_LIMITED = "concurrency_limited"
+    # A new key while the user's request records are all still within their dedup retention (the
+    # core keeps every key it answered for its whole retention, so it refuses a new one instead).
+    IDEMPOTENCY_KEYS_EXHAUSTED = "idempotency_keys_exhausted"
     CAPACITY_EXHAUSTED = "capacity_exhausted"
     QUOTA_SERVICE_UNAVAILABLE = "quota_service_unavailable"
     MODEL_BACKEND_ERROR = "model_backend_error"
@@ -165,6 +168,7 @@ REJECTIONS: dict[RejectionCode, RejectionSpec] = {
         _spec(_C.QUOTA_EXHAUSTED, 429, False, _A.WAIT_FOR_RESET, "Your current message allowance has been used."),
         _spec(_C.RATE_LIMITED, 429, True, _A.RETRY_AFTER_DELAY, "Too many requests; wait before retrying."),
         _spec(_C.CONCURRENCY_LIMITED, 429, True, _A.RETRY_AFTER_DELAY, "Too many active generations; wait for one to finish."),
+        _spec(_C.IDEMPOTENCY_KEYS_EXHAUSTED, 429, True, _A.RETRY_AFTER_DELAY, "Too many new Idempotency-Keys in the retention period; wait before retrying."),
         _spec(_C.CAPACITY_EXHAUSTED, 503, True, _A.RETRY_SAME_KEY_WITH_BACKOFF, "No model capacity is available right now."),
         _spec(_C.QUOTA_SERVICE_UNAVAILABLE, 503, True, _A.RETRY_LATER_NO_STORM, "Admission is temporarily unavailable."),
         _spec(_C.MODEL_BACKEND_ERROR, 502, False, _A.MANUAL_REGENERATE, "The model backend failed; inspect the generation."),

@@ -81,6 +81,9 @@ class SimConfig:
     quota_limit: int = 12  # per window, free tier (paid: twice that)
     window_ms: int = 120_000
     dedup_retention_ms: int = 10 * 60_000
+    # Request records per user: about what a user holds at steady state here (a new key every ~6 s
+    # kept 10 minutes after its end), so new keys meet the bound now and then and are refused.
+    dedup_records_per_user_max: int = 56
     result_ttl_ms: int = 2 * 60_000
     concurrency_limit: int = 2
     request_gap_ms: tuple[int, int] = (300, 12_000)  # between one user's new requests
@@ -131,6 +134,7 @@ def sim_policy(config: SimConfig) -> Policy:
         window_ms=config.window_ms,
         concurrency_limit=config.concurrency_limit,
         dedup_retention_ms=config.dedup_retention_ms,
+        dedup_records_per_user_max=config.dedup_records_per_user_max,
         result_ttl_ms=config.result_ttl_ms,
         models={MODEL_ALIAS: ModelEntry(MODEL_ALIAS, "simulated-model-v1", "simulated", frozenset(Tier))},
     )
@@ -153,6 +157,7 @@ class Stats:
     edge_timeouts: int = 0
     submits_read_late: int = 0  # submits the processor read after their decision deadline
     outcomes: Counter[str] = field(default_factory=Counter)
+    rejections: Counter[str] = field(default_factory=Counter)  # refusal codes, redeliveries included
 
 
 # --- the simulation ---------------------------------------------------------------------------
@@ -171,7 +176,11 @@ class Simulation:
         self._seq = itertools.count()
         self._ids = itertools.count(1)
         self._cancelled: set[int] = set()  # heap sequence numbers of deliveries lost in a crash
-        self.monitor = InvariantMonitor(concurrency_limit=self.config.concurrency_limit)
+        self.monitor = InvariantMonitor(
+            concurrency_limit=self.config.concurrency_limit,
+            dedup_retention_ms=self.policy.dedup_retention_ms,
+            records_max=self.policy.dedup_records_per_user_max,
+        )
         self.ledger: dict[str, ev.Event] = {}  # event id -> event, de-duplicated, in append order
         self.usage_topic: dict[str, ev.UsageRecorded] = {}
         # command id -> the read stamp on the first of its ledger entries that landed.
@@ -457,6 +466,8 @@ class Processor:
         sim.stats.commands_consumed += 1
         sim.stats.commands_redelivered += redelivered
         sim.stats.outcomes[decision.outcome.kind.value] += 1
+        if decision.outcome.code is not None:
+            sim.stats.rejections[decision.outcome.code.value] += 1
         self.aggregates[user] = after
         violations = check_state(after.ledger, sim.config.concurrency_limit)
         if violations:
@@ -684,6 +695,14 @@ class Edge:
                 sim.at(sim.between((0, 6_000)), self.cancel, request)
         elif code is RejectionCode.QUOTA_SERVICE_UNAVAILABLE:
             self.retry(kind, request)  # read after its deadline: the edge answers 503, as on a timeout
+        elif code is RejectionCode.IDEMPOTENCY_KEYS_EXHAUSTED:
+            # Nothing was recorded, so a same-key retry after the delay is decided afresh. Only some
+            # clients retry: every refused request of the user is told the same moment.
+            if request.admission_retries == 0 and sim.rng.random() < 0.3:
+                request.admission_retries += 1
+                request.tries = 0
+                wait = outcome.details.retry_after_ms or 1_000
+                sim.at(wait + sim.between((0, 30_000)), self.submit, request)
         elif code in (RejectionCode.CONCURRENCY_LIMITED, RejectionCode.CAPACITY_EXHAUSTED):
             if request.admission_retries < 3:
                 request.admission_retries += 1

@@ -79,8 +79,10 @@ class AuditReport:
 class Auditor:
     """Folds ledger entries one at a time; usable on a live topic or on a list of entries."""
 
-    def __init__(self, concurrency_limit: int | None = None) -> None:
-        self.monitor = InvariantMonitor(concurrency_limit=concurrency_limit)
+    def __init__(self, concurrency_limit: int | None = None, dedup_retention_ms: int | None = None) -> None:
+        # With the retention, a request record forgotten before it ended is a violation (invariant 7).
+        # The check uses today's setting: a ledger written under a shorter one reports those purges.
+        self.monitor = InvariantMonitor(concurrency_limit=concurrency_limit, dedup_retention_ms=dedup_retention_ms)
         self.report = AuditReport()
 
     def feed(self, entry: ev.LedgerEntry) -> None:
@@ -143,8 +145,9 @@ async def audit(
     from_time_ms: int | None = None,
     compare_table: bool = True,
     concurrency_limit: int | None = None,
+    dedup_retention_ms: int | None = None,
 ) -> AuditReport:
-    auditor = Auditor(concurrency_limit)
+    auditor = Auditor(concurrency_limit, dedup_retention_ms)
     records = await read_topic(bootstrap, topology.ledger, start, from_time_ms)
     # Per user, order is the partition's order; partitions are independent.
     for partition, offset, _, value in sorted(records, key=lambda r: (r[0], r[1])):
@@ -165,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     topology = Topology(args.namespace)
     start = {p: args.from_offset for p in range(topology.ledger.partitions)} if args.from_offset is not None else None
     from_time_ms = int(datetime.fromisoformat(args.from_time).timestamp() * 1000) if args.from_time else None
-    report = asyncio.run(audit(args.bootstrap, topology, start, from_time_ms, compare_table=not args.no_table))
+    retention_ms = env_value("CHATPLANE_DEDUP_RETENTION_MS", Policy().dedup_retention_ms, ge=0)
+    report = asyncio.run(
+        audit(args.bootstrap, topology, start, from_time_ms, compare_table=not args.no_table, dedup_retention_ms=retention_ms)
+    )
     if args.json:
         doc: dict[str, Any] = {
             "entries_read": report.entries_read,

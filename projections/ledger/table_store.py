@@ -1,26 +1,38 @@
-"""The processor's table layout: a small hot value per user plus one entry per settled request.
+"""The processor's table layout: a small hot value per user, one entry per settled request, and an
+index of those entries in chunks by purge time.
 
 Whole-aggregate values made every command re-encode and re-write everything the user did in the
 last 24 hours (~270 KiB at steady state, docs/core.md). Settled request records (terminal, or
-refused and kept for deduplication) change rarely: they are written once, under their own key, and
-only their keys stay in the hot value.
+refused and kept for deduplication) change rarely: they are written once, under their own key. The
+index of them (which key, at which revision) is itself split by when the records may be purged, so
+that the hot value, written on every command, names a bounded number of index chunks however many
+records the user holds (up to ``Policy.dedup_records_per_user_max``, 32,768):
 
     table ``user_to_ledger``
       <user_id>                                  -> 8-byte next deadline + hot JSON
-          {"layout": 2, "v": codec version, "ledger": the ledger without settled records (and
+          {"layout": 3, "v": codec version, "ledger": the ledger without settled records (and
            without their usage), "recent": remembered decisions, "offset": applied offset,
-           "settled": {idempotency_key: revision}}
+           "chunks": {purge bucket: chunk revision}}
       NUL + >H len(user) + user + idem key + NUL + revision
                                                  -> {"record": RequestRecord, "usage": {key: UsageEntry}}
+      NUL + FF FF + >H len(user) + user + purge bucket + NUL + revision
+                                                 -> {idem key: revision} of the settled records whose
+                                                    purge time falls in the bucket (``CHUNK_MS`` wide)
 
-A settled entry's key carries the revision (the command offset) it was written at, so an entry is
-never overwritten: a changed record gets a new key. Per command the writes go, in this order, to the
-user's changelog partition: new settled entries, the hot value, deletes of superseded or purged
-entries. A crash keeps a prefix of them, and every prefix reads back as the state before or after
-the command: the hot value only names entries written before it, and deletes come last.
+A purge bucket spans ``CHUNK_MS`` (10 minutes) of purge times, so the hot value names at most
+retention / ``CHUNK_MS`` + 1 chunks (145 for 24 h), and a command rewrites only the chunks whose
+records it settled, changed or purged: those of 10 minutes of settling 24 h earlier or now.
 
-Values written as one whole aggregate (before this layout) still load; their first command here
-rewrites them in this layout.
+Every entry's key carries the revision (the command offset) it was written at, so an entry is never
+overwritten: a changed record or chunk gets a new key. Per command the writes go, in this order, to
+the user's changelog partition: new settled entries, new chunks, the hot value, deletes of
+superseded or purged entries and chunks. A crash keeps a prefix of them, and every prefix reads back
+as the state before or after the command: the hot value only names chunks written before it, a
+chunk only entries written before it, and deletes come last.
+
+Values written in the older layouts still load: a whole aggregate (layout 1), and layout 2, whose
+hot value named every settled entry itself (``"settled": {idem key: revision}``). The first
+command after loading one rewrites it in this layout (the settled entries themselves are kept).
 """
 
 from __future__ import annotations
@@ -38,10 +50,15 @@ from control_plane.decide import next_deadline_ms, purge_at_ms
 from control_plane.policy import Policy
 from control_plane.state import RequestRecord, UsageEntry, UserLedger
 
-LAYOUT = 2
+LAYOUT = 3
+LAYOUT_NAMING_EVERY_ENTRY = 2  # the hot value's "settled" named every settled entry (still read)
+# Width of a purge bucket of the settled-entry index: the hot value names one chunk per bucket.
+CHUNK_MS = 10 * 60_000
 _DEADLINE = struct.Struct(">q")
 _LEN = struct.Struct(">H")
 SETTLED_PREFIX = b"\x00"
+# A user id is at most 128 characters (512 bytes), so no settled entry's length field is FF FF.
+_CHUNK_MARK = b"\xff\xff"
 _OPTIONS = orjson.OPT_NON_STR_KEYS
 
 
@@ -50,13 +67,30 @@ def settled_key(user_id: str, idempotency_key: str, revision: int) -> bytes:
     return SETTLED_PREFIX + _LEN.pack(len(user)) + user + idempotency_key.encode() + b"\x00" + str(revision).encode()
 
 
+def chunk_key(user_id: str, bucket: int, revision: int) -> bytes:
+    user = user_id.encode()
+    return SETTLED_PREFIX + _CHUNK_MARK + _LEN.pack(len(user)) + user + str(bucket).encode() + b"\x00" + str(revision).encode()
+
+
 def is_settled_key(key: bytes) -> bool:
+    """Whether ``key`` is a settled entry or an index chunk (anything but a user's hot value)."""
     return key[:1] == SETTLED_PREFIX
 
 
+def is_chunk_key(key: bytes) -> bool:
+    return key[:3] == SETTLED_PREFIX + _CHUNK_MARK
+
+
 def user_of_settled_key(key: bytes) -> str:
-    (n,) = _LEN.unpack_from(key, 1)
-    return key[3 : 3 + n].decode()
+    """The user a settled entry or an index chunk belongs to."""
+    start = 3 if is_chunk_key(key) else 1
+    (n,) = _LEN.unpack_from(key, start)
+    return key[start + 2 : start + 2 + n].decode()
+
+
+def bucket_of(purge_at_ms: int) -> int:
+    """The index chunk a settled record with this purge time is named in."""
+    return purge_at_ms // CHUNK_MS
 
 
 def unpack_deadline(value: bytes) -> int | None:
@@ -75,15 +109,26 @@ class Settled:
 
 
 @dataclass(frozen=True, slots=True)
+class Chunk:
+    """One index chunk as it is in the table: its revision and the entries it names."""
+
+    revision: int
+    members: dict[str, int]  # idempotency key -> revision of its settled entry
+
+
+@dataclass(frozen=True, slots=True)
 class Layout:
-    """What of an aggregate is stored in settled entries (empty for a whole-aggregate value), and
-    what the last ``plan`` derived from it, so that a command that leaves the settled records alone
-    costs no work proportional to them."""
+    """What of an aggregate is stored in settled entries and index chunks (empty for a whole-aggregate
+    value), and what the last ``plan`` derived from it, so that a command that leaves the settled
+    records alone costs no work proportional to them."""
 
     settled: dict[str, Settled] = field(default_factory=dict)
     usage: dict[str, UsageEntry] | None = None  # the ledger's usage mapping this layout was planned from
     hot_usage: dict[str, UsageEntry] = field(default_factory=dict)  # usage of no settled record
-    index: bytes = b"{}"  # the hot value's "settled" object, encoded
+    # purge bucket -> chunk; None when the stored value named its settled entries itself (layout 2):
+    # then the next plan writes every chunk.
+    chunks: dict[int, Chunk] | None = field(default_factory=dict)
+    index: bytes = b"{}"  # the hot value's "chunks" object, encoded
     min_purge_ms: int | None = None  # the earliest purge of a settled record
 
 
@@ -94,8 +139,8 @@ EMPTY_LAYOUT = Layout()
 class TableWrites:
     """Changelog writes of one command, in the order they must be applied."""
 
-    puts: list[tuple[bytes, bytes]]  # new settled entries, then the hot value last
-    deletes: list[bytes]  # superseded or purged settled entries, after the hot value
+    puts: list[tuple[bytes, bytes]]  # new settled entries, new chunks, then the hot value last
+    deletes: list[bytes]  # superseded or purged settled entries and chunks, after the hot value
     layout: Layout
     deadline_ms: int | None  # = control_plane.decide.next_deadline_ms of the whole ledger
 
@@ -109,14 +154,60 @@ def _usage_of(usage: dict[str, UsageEntry], generation_id: str) -> tuple[tuple[s
     return tuple((k, u) for k, u in usage.items() if k.startswith(prefix))
 
 
-def _derived(
-    settled: dict[str, Settled], usage: dict[str, UsageEntry]
-) -> tuple[dict[str, UsageEntry], bytes, int | None]:
+def _derived(settled: dict[str, Settled], usage: dict[str, UsageEntry]) -> tuple[dict[str, UsageEntry], int | None]:
     gens = {s.record.generation_id for s in settled.values()}
     hot_usage = {k: u for k, u in usage.items() if _generation_of(k) not in gens}
-    index = orjson.dumps({k: s.revision for k, s in settled.items()})
     min_purge = min((s.purge_at_ms for s in settled.values()), default=None)
-    return hot_usage, index, min_purge
+    return hot_usage, min_purge
+
+
+def _encode_index(chunks: dict[int, Chunk]) -> bytes:
+    return orjson.dumps({b: c.revision for b, c in chunks.items()}, option=_OPTIONS)
+
+
+def _plan_chunks(
+    user: str,
+    revision: int,
+    stored: dict[str, Settled],
+    settled: dict[str, Settled],
+    old_chunks: dict[int, Chunk] | None,
+) -> tuple[dict[int, Chunk], list[tuple[bytes, bytes]], list[bytes]]:
+    """The index chunks of ``settled``, given those stored for ``stored``: (chunks, puts, deletes).
+
+    Only the buckets of entries that were added, replaced or removed are rewritten."""
+    dirty: dict[int, dict[str, int]] = {}  # bucket -> its new members
+    if old_chunks is None:  # layout 2: no chunk stored yet, all are new
+        chunks: dict[int, Chunk] = {}
+        for k, entry in settled.items():
+            dirty.setdefault(bucket_of(entry.purge_at_ms), {})[k] = entry.revision
+    else:
+        chunks = dict(old_chunks)
+
+        def members(bucket: int) -> dict[str, int]:
+            if bucket not in dirty:
+                old = old_chunks.get(bucket)
+                dirty[bucket] = dict(old.members) if old is not None else {}
+            return dirty[bucket]
+
+        for k, old_entry in stored.items():
+            if settled.get(k) is not old_entry:
+                members(bucket_of(old_entry.purge_at_ms)).pop(k, None)
+        for k, entry in settled.items():
+            if stored.get(k) is not entry:
+                members(bucket_of(entry.purge_at_ms))[k] = entry.revision
+    puts: list[tuple[bytes, bytes]] = []
+    deletes: list[bytes] = []
+    for bucket, new_members in dirty.items():
+        old = chunks.pop(bucket, None)
+        if old is not None and old.members == new_members:
+            chunks[bucket] = old
+            continue
+        if new_members:
+            chunks[bucket] = Chunk(revision, new_members)
+            puts.append((chunk_key(user, bucket, revision), orjson.dumps(new_members)))
+        if old is not None and (not new_members or old.revision != revision):
+            deletes.append(chunk_key(user, bucket, old.revision))  # same revision: the put replaced it
+    return chunks, puts, deletes
 
 
 def plan(aggregate: Aggregate, layout: Layout, policy: Policy) -> TableWrites:
@@ -157,12 +248,17 @@ def plan(aggregate: Aggregate, layout: Layout, policy: Policy) -> TableWrites:
         for k, old in stored.items()
         if settled.get(k) is not old and (key := settled_key(user, k, old.revision)) not in rewritten
     ]
-    if puts or deletes or len(settled) != len(stored):
-        hot_usage, index, min_purge = _derived(settled, usage)
+    if puts or deletes or len(settled) != len(stored) or layout.chunks is None:
+        chunks, chunk_puts, chunk_deletes = _plan_chunks(user, revision, stored, settled, layout.chunks)
+        puts.extend(chunk_puts)
+        deletes.extend(chunk_deletes)
+        index = _encode_index(chunks) if chunk_puts or chunk_deletes or layout.chunks is None else layout.index
+        hot_usage, min_purge = _derived(settled, usage)
     elif usage is not layout.usage:
-        hot_usage, index, min_purge = _derived(settled, usage)[0], layout.index, layout.min_purge_ms
+        chunks, index, min_purge = layout.chunks, layout.index, layout.min_purge_ms
+        hot_usage = _derived(settled, usage)[0]
     else:
-        hot_usage, index, min_purge = layout.hot_usage, layout.index, layout.min_purge_ms
+        chunks, hot_usage, index, min_purge = layout.chunks, layout.hot_usage, layout.index, layout.min_purge_ms
     hot = replace(ledger, requests=hot_requests, usage=hot_usage, by_generation={})
     deadline = next_deadline_ms(hot, policy)
     if min_purge is not None and (deadline is None or min_purge < deadline):
@@ -174,28 +270,43 @@ def plan(aggregate: Aggregate, layout: Layout, policy: Policy) -> TableWrites:
         "ledger": hot,
         "recent": recent,
         "offset": aggregate.source_offset,
-        "settled": orjson.Fragment(index),
+        "chunks": orjson.Fragment(index),
     }
     puts.append((user.encode(), _DEADLINE.pack(deadline or 0) + orjson.dumps(doc, option=_OPTIONS)))
-    return TableWrites(puts, deletes, Layout(settled, usage, hot_usage, index, min_purge), deadline)
+    return TableWrites(puts, deletes, Layout(settled, usage, hot_usage, chunks, index, min_purge), deadline)
 
 
 def join(value: bytes, read: Callable[[bytes], bytes | None], policy: Policy) -> tuple[Aggregate, Layout]:
-    """The aggregate stored as ``value`` (a user's hot value), reading its settled entries."""
+    """The aggregate stored as ``value`` (a user's hot value), reading its chunks and settled entries."""
     body = memoryview(value)[_DEADLINE.size :]
     doc = orjson.loads(body)
-    if doc.get("layout") != LAYOUT:
+    layout_version = doc.get("layout")
+    if layout_version not in (LAYOUT, LAYOUT_NAMING_EVERY_ENTRY):
         return load_aggregate(bytes(body)), EMPTY_LAYOUT
     if doc.get("v") != STATE_CODEC_VERSION:
         raise ValueError(f"unsupported state codec version {doc.get('v')!r}")
     hot = load_ledger(doc["ledger"])
+    user = hot.user_id
+    chunks: dict[int, Chunk] | None = None
+    if layout_version == LAYOUT:
+        chunks = {}
+        names: dict[str, int] = {}
+        for b, revision in doc["chunks"].items():
+            bucket = int(b)
+            raw = read(chunk_key(user, bucket, revision))
+            if raw is None:
+                raise ValueError(f"index chunk {bucket}@{revision} of user {user!r} is missing from the table")
+            chunks[bucket] = Chunk(revision, orjson.loads(raw))
+            names.update(chunks[bucket].members)
+    else:
+        names = doc["settled"]
     requests = dict(hot.requests)
     usage = dict(hot.usage)
     settled: dict[str, Settled] = {}
-    for k, revision in doc["settled"].items():
-        raw = read(settled_key(hot.user_id, k, revision))
+    for k, revision in names.items():
+        raw = read(settled_key(user, k, revision))
         if raw is None:
-            raise ValueError(f"settled record {k!r}@{revision} of user {hot.user_id!r} is missing from the table")
+            raise ValueError(f"settled record {k!r}@{revision} of user {user!r} is missing from the table")
         entry = orjson.loads(raw)
         record = load_record(entry["record"])
         entries = tuple((uk, UsageEntry(**u)) for uk, u in entry["usage"].items())
@@ -210,8 +321,9 @@ def join(value: bytes, read: Callable[[bytes], bytes | None], policy: Policy) ->
         by_generation={r.generation_id: k for k, r in requests.items()},
     )
     recent = tuple(Remembered(command_id, orjson.dumps(d)) for command_id, d in doc["recent"])
-    hot_usage, index, min_purge = _derived(settled, usage)
-    return Aggregate(ledger, recent, doc.get("offset", -1)), Layout(settled, usage, hot_usage, index, min_purge)
+    hot_usage, min_purge = _derived(settled, usage)
+    index = _encode_index(chunks) if chunks is not None else b"{}"
+    return Aggregate(ledger, recent, doc.get("offset", -1)), Layout(settled, usage, hot_usage, chunks, index, min_purge)
 
 
 def join_table(items: Iterable[tuple[bytes, bytes | None]], policy: Policy) -> dict[str, UserLedger]:
@@ -229,9 +341,14 @@ def write_all(aggregates: Iterable[Aggregate], policy: Policy) -> dict[bytes, by
 
 
 __all__ = [
+    "CHUNK_MS",
     "EMPTY_LAYOUT",
+    "Chunk",
     "Layout",
     "TableWrites",
+    "bucket_of",
+    "chunk_key",
+    "is_chunk_key",
     "is_settled_key",
     "join",
     "join_table",

@@ -212,6 +212,9 @@ def policy_from_env() -> Policy:
         lease_ms=env_value("CHATPLANE_LEASE_MS", base.lease_ms, ge=1),
         generation_duration_max_ms=env_value("CHATPLANE_GENERATION_DURATION_MAX_MS", base.generation_duration_max_ms, ge=1),
         dedup_retention_ms=env_value("CHATPLANE_DEDUP_RETENTION_MS", base.dedup_retention_ms, ge=0),
+        dedup_records_per_user_max=env_value(
+            "CHATPLANE_DEDUP_RECORDS_PER_USER_MAX", base.dedup_records_per_user_max, ge=1
+        ),
         result_ttl_ms=env_value("CHATPLANE_RESULT_TTL_MS", base.result_ttl_ms, ge=1),
         max_output_tokens_max=env_value("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", base.max_output_tokens_max, ge=1),
     )

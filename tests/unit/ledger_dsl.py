@@ -36,7 +36,11 @@ class Ledger:
         if not self.policy.models:  # a policy given for its limits only gets the test models
             self.policy = replace(self.policy, models=TEST_MODELS)
         self.aggregate = Aggregate.empty(self.user_id)
-        self.monitor = InvariantMonitor(concurrency_limit=self.policy.concurrency_limit)
+        self.monitor = InvariantMonitor(
+            concurrency_limit=self.policy.concurrency_limit,
+            dedup_retention_ms=self.policy.dedup_retention_ms,
+            records_max=self.policy.dedup_records_per_user_max,
+        )
         self._ids = itertools.count(1)
         self.all_events: list[Any] = []
 

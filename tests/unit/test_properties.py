@@ -11,7 +11,7 @@ redelivers earlier commands. After every step it checks the invariants defined o
 - per (user, window) the reservations ever consumed never exceed the window's limit, even across
   a window's retirement (``QuotaWindowRetired`` drops the counters, not the entitlement).
 
-The policy is small (quota 3 free, 5 paid; concurrency 2; 6 dedup records per user) so limits are actually hit. Sizes: the default profile
+The policy is small (quota 3 free, 5 paid; concurrency 2; 6 request records per user) so limits are actually hit. Sizes: the default profile
 runs in a few seconds; ``CHATPLANE_HYPOTHESIS_PROFILE=ci`` runs ten times more examples.
 """
 
@@ -67,7 +67,7 @@ REPLY = ReplyTo(topic="chatplane.edge-inbox", partition=0, request_id="req")
 POLICY = Policy(
     quota_limit_by_tier={Tier.FREE: 3, Tier.PAID: 5},
     concurrency_limit=2,
-    dedup_records_per_user_max=6,  # small, so that the oldest settled records are purged early
+    dedup_records_per_user_max=6,  # small, so that new keys meet the bound (and are refused) often
     models={
         "fast-text-model": ModelEntry("fast-text-model", "smollm2-135m-instruct-q4_1", "smollm2", frozenset(Tier)),
         "paid-model": ModelEntry("paid-model", "bigger-model-v1", "bigger", frozenset({Tier.PAID})),
@@ -91,7 +91,11 @@ class LedgerMachine(RuleBasedStateMachine):
     def start(self) -> None:
         self.now_ms = T0 + 3 * HOUR_MS - 60_000  # one minute before a window boundary
         self.aggregates = {u: Aggregate.empty(u) for u in USERS}
-        self.monitor = InvariantMonitor(concurrency_limit=POLICY.concurrency_limit)
+        self.monitor = InvariantMonitor(
+            concurrency_limit=POLICY.concurrency_limit,
+            dedup_retention_ms=POLICY.dedup_retention_ms,
+            records_max=POLICY.dedup_records_per_user_max,
+        )
         self.events: dict[str, list[ev.Event]] = {u: [] for u in USERS}
         self.commands: dict[str, list[tuple[Any, Any]]] = {u: [] for u in USERS}  # (command, decision)
         self.generations: dict[str, list[str]] = {u: [] for u in USERS}
@@ -368,6 +372,11 @@ class LedgerMachine(RuleBasedStateMachine):
         for user, aggregate in self.aggregates.items():
             found = check_state(aggregate.ledger, POLICY.concurrency_limit)
             assert not found, [str(v) for v in found]
+
+    @invariant()
+    def the_request_records_stay_within_their_bound(self) -> None:
+        for aggregate in self.aggregates.values():
+            assert len(aggregate.ledger.requests) <= POLICY.dedup_records_per_user_max
 
     @invariant()
     def the_state_is_the_fold_of_its_events(self) -> None:

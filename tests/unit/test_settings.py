@@ -64,6 +64,7 @@ def test_a_value_that_does_not_parse_is_one_line_naming_the_variable(monkeypatch
         (ProcessorSettings, "CHATPLANE_PROCESSOR_PENDING_MAX", "2k", "an integer"),
         (ProcessorSettings, "CHATPLANE_FAULT_SKIP_DELIVERIES", "0-5", "partition:offset pairs, comma-separated"),
         (ProcessorSettings, "CHATPLANE_CONCURRENCY_LIMIT", "0", "an integer >= 1"),
+        (ProcessorSettings, "CHATPLANE_DEDUP_RECORDS_PER_USER_MAX", "0", "an integer >= 1"),
         (WorkerSettings, "CHATPLANE_WORKER_SLOTS", "two", "an integer"),
         (WorkerSettings, "CHATPLANE_WORKER_FREE_MIN_SHARE", "1.5", "a number >= 0 and <= 1"),
         (WorkerSettings, "CHATPLANE_WORKER_RESULT_STORE", "redis", "one of cassandra, none"),

@@ -15,6 +15,7 @@ import pytest
 
 import control_plane.aggregate as aggregate_module
 from control_plane.decide import Decision, decide
+from control_plane.evolve import evolve
 from control_plane.simulator import SimConfig, SimulationFailed, simulate
 from control_plane.state import reservation_id
 from schemas import commands as cmd
@@ -39,6 +40,7 @@ def test_a_seeded_run_keeps_every_invariant(seed: int) -> None:
     assert summary["messages_consumed"] > 0 and summary["messages_released"] > 0
     rejected = {e.code for e in sim.ledger.values() if isinstance(e, ev.AdmissionRejected)}
     assert {"quota_exhausted", "concurrency_limited"} <= set(rejected)
+    assert stats.rejections["idempotency_keys_exhausted"] > 0, "no new key met the records bound"
     kinds = {type(e) for e in sim.ledger.values()}
     for needed in (ev.QuotaWindowRetired, ev.DedupRecordPurged, ev.AttemptFenced, ev.LateReportIgnored, ev.CancelRequested):
         assert needed in kinds, needed.__name__
@@ -161,3 +163,32 @@ def test_a_processor_that_does_not_read_its_stamps_back_after_a_crash_is_caught(
 
     monkeypatch.setattr(Processor, "restart", restart_forgetting_stamps)
     _expect_failure(range(1, 8), 25_000, "invariant 0")
+
+
+def test_the_core_that_forgot_keys_within_retention_at_the_bound_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 13: at the records bound the old core purged the oldest settled record, however young, to
+    # admit a new key; a same-key retry of it was then admitted and charged again.
+    def decide_purging_the_oldest(state, command, policy):
+        full = len(state.requests) >= policy.dedup_records_per_user_max
+        if isinstance(command, cmd.SubmitGeneration) and full and command.idempotency_key not in state.requests:
+            settled = [r for r in state.requests.values() if not r.status.active]
+            if settled:
+                oldest = min(settled, key=lambda r: (r.updated_at_ms, r.idempotency_key))
+                purge = ev.DedupRecordPurged(
+                    event_id=f"{command.command_id}/0",
+                    command_id=command.command_id,
+                    user_id=command.user_id,
+                    generation_id=oldest.generation_id,
+                    occurred_at_ms=command.issued_at_ms,
+                    idempotency_key=oldest.idempotency_key,
+                )
+                decision = decide(evolve(state, purge), command, policy)
+                renumbered = (
+                    dataclasses.replace(e, event_id=f"{command.command_id}/{i}") for i, e in enumerate(decision.events, 1)
+                )
+                return Decision((purge, *renumbered), decision.outcome)
+        return decide(state, command, policy)
+
+    _broken(monkeypatch, decide_purging_the_oldest)
+    message = _expect_failure(range(1, 4), 25_000, "invariant 7")
+    assert "within its retention" in message, message

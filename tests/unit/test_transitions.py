@@ -18,7 +18,9 @@ from control_plane.policy import ModelEntry, Policy
 from control_plane.state import UserLedger
 from schemas import events as ev
 from schemas.codes import (
+    REJECTIONS,
     CancelReason,
+    ClientAction,
     FenceReason,
     FinishOutcome,
     RejectionCode,
@@ -460,15 +462,93 @@ def test_an_active_record_is_never_purged_however_old():
     assert L.record(g).status is RequestStatus.RUNNING
 
 
-def test_dedup_records_are_bounded_per_user():
+def completed(L: Ledger, key: str) -> str:
+    g = running(L, key)
+    L.report(g)
+    return g
+
+
+def test_a_full_record_table_never_forgets_a_key_within_its_retention():
+    # Issue 13: at the bound the oldest settled record used to be purged to make room, so a same-key
+    # retry of a completed request (well within its 24 h) was admitted and charged again.
+    L = Ledger(policy=Policy(dedup_records_per_user_max=3))
+    oldest = completed(L, "a")
+    for key in ("b", "c"):
+        L.advance(60_000)
+        completed(L, key)
+    L.advance(60_000)
+    used = L.window().used
+    refused = L.submit("d")
+    L.advance(1_000)
+    retry = L.submit("a")
+    assert retry.outcome.kind is OutcomeKind.EXISTING and retry.outcome.generation_id == oldest, retry.outcome
+    assert retry.outcome.status is RequestStatus.COMPLETED and not retry.events
+    assert (L.window().used, L.window().reserved) == (used, 0), "nothing charged or held again"
+    assert set(L.state.requests) == {"a", "b", "c"}
+    assert refused.outcome.code is RejectionCode.IDEMPOTENCY_KEYS_EXHAUSTED
+
+
+def test_a_new_key_at_the_bound_is_refused_holding_and_storing_nothing_until_the_oldest_leaves_retention():
+    L = Ledger(policy=Policy(dedup_records_per_user_max=3, concurrency_limit=1))
+    completed(L, "a")
+    terminal_a = L.now_ms
+    L.advance(60_000)
+    completed(L, "b")
+    L.advance(60_000)
+    h = admitted(L, "c")  # active: never forgotten, never the one to wait for
+    L.advance(5_000)
+    state = L.state
+    d = L.submit("d")
+    assert d.outcome.kind is OutcomeKind.REJECTED and d.outcome.code is RejectionCode.IDEMPOTENCY_KEYS_EXHAUSTED
+    assert not d.events and L.state == state, "the refusal reserves nothing and records nothing"
+    assert d.outcome.generation_id is None
+    assert d.outcome.details.limit == 3
+    # Retry-After: when the oldest record ("a", terminal at terminal_a) leaves its retention.
+    assert d.outcome.details.retry_after_ms == terminal_a + L.policy.dedup_retention_ms - L.now_ms
+    spec = REJECTIONS[RejectionCode.IDEMPOTENCY_KEYS_EXHAUSTED]
+    assert (spec.http_status, spec.retryable, spec.action) == (429, True, ClientAction.RETRY_AFTER_DELAY)
+    # Keys already held still answer as ever; the retryable refusal of "d" left no trace to answer.
+    assert L.submit("c").outcome.code is RejectionCode.GENERATION_IN_PROGRESS
+    assert L.submit("d").outcome.code is RejectionCode.IDEMPOTENCY_KEYS_EXHAUSTED
+    L.cancel(h)
+    # One millisecond before "a" leaves retention: still refused; at that moment "a" makes room.
+    L.now_ms = terminal_a + L.policy.dedup_retention_ms - 1
+    assert L.submit("d").outcome.details.retry_after_ms == 1
+    L.advance(1)
+    d = L.submit("d")
+    assert types(d)[:2] == ["DedupRecordPurged", "GenerationAdmitted"] and d.events[0].idempotency_key == "a"
+    assert set(L.state.requests) == {"b", "c", "d"}
+
+
+def test_every_record_past_retention_is_forgotten_when_a_new_key_needs_room():
     L = Ledger(policy=Policy(dedup_records_per_user_max=3, concurrency_limit=1))
     for key in ("a", "b", "c"):
-        g = running(L, key)
-        L.report(g)
-        L.advance(1)
+        completed(L, key)
+        L.advance(1_000)
+    L.advance(L.policy.dedup_retention_ms)  # no timer ran: all three are due
     d = L.submit("d")
-    assert types(d) == ["DedupRecordPurged", "GenerationAdmitted"] and d.events[0].idempotency_key == "a"
-    assert set(L.state.requests) == {"b", "c", "d"}
+    purged = [e.idempotency_key for e in d.events if isinstance(e, ev.DedupRecordPurged)]
+    assert purged == ["a", "b", "c"] and types(d)[-1] == "GenerationAdmitted"
+    assert set(L.state.requests) == {"d"}
+
+
+def test_the_monitor_reports_a_key_forgotten_within_its_retention():
+    # The one definition of invariant 7 that the property tests, the simulator and the audit share.
+    L = Ledger()
+    g = completed(L, "a")
+    retained_until = L.now_ms + L.policy.dedup_retention_ms
+
+    def purge(at_ms: int, n: int) -> ev.DedupRecordPurged:
+        return ev.DedupRecordPurged(
+            event_id=f"x{n}/0", command_id=f"x{n}", user_id=L.user_id, generation_id=g, occurred_at_ms=at_ms, idempotency_key="a"
+        )
+
+    (violation,) = L.monitor.observe_batch([purge(retained_until - 1, 1)])
+    assert violation.invariant == 7 and "forgotten 1 ms within its retention" in violation.message
+    early = Ledger()
+    early.monitor.dedup_retention_ms = None  # without the policy (an audit of a bare ledger): not checked
+    g = completed(early, "a")
+    assert not early.monitor.observe_batch([purge(early.now_ms, 2)])
 
 
 def test_the_model_version_resolved_at_admission_is_kept_for_retries():
