@@ -119,7 +119,9 @@ class Auditor:
                 if held is None:
                     self.report.mismatches.append(f"user {user_id}: in the ledger, not in the table")
                 elif held != rebuilt:
-                    self.report.mismatches.append(f"user {user_id}: table state differs from the replayed ledger")
+                    self.report.mismatches.append(
+                        f"user {user_id}: table state differs from the replayed ledger: {state_difference(held, rebuilt)}"
+                    )
             for user_id, held in table.items():
                 if user_id not in self.monitor.states and held.requests:
                     self.report.mismatches.append(f"user {user_id}: in the table, not in the ledger")
@@ -194,3 +196,22 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+DIFFERENCE_ITEMS_MAX = 5  # differing keys named per field of a mismatch
+
+
+def state_difference(table: UserLedger, replayed: UserLedger) -> str:
+    """Which fields (and for maps which keys) of a user's state differ: table value vs the replay."""
+    parts: list[str] = []
+    for name in UserLedger.__dataclass_fields__:
+        a, b = getattr(table, name), getattr(replayed, name)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys = sorted((k for k in a.keys() | b.keys() if a.get(k) != b.get(k)), key=str)
+            shown = [f"{k}: table={a.get(k)!r} replay={b.get(k)!r}" for k in keys[:DIFFERENCE_ITEMS_MAX]]
+            parts.append(f"{name} ({len(keys)} keys) " + "; ".join(shown))
+        else:
+            parts.append(f"{name}: table={a!r} replay={b!r}")
+    return " | ".join(parts)[:4000]

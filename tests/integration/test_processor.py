@@ -108,6 +108,9 @@ async def test_200_concurrent_submits_admit_exactly_the_limit(kafka_bootstrap, t
     assert Counter(o.kind for o in retries)[OutcomeKind.ADMITTED] == 1
     assert Counter(o.code for o in retries)[RejectionCode.GENERATION_IN_PROGRESS] == 49
     await wait_until_committed(kafka_bootstrap, topology)
+    # The audit compares the table with the ledger: stop the processor first, so that no timer
+    # reconcile lands between its reading of the two (it did, 1 run in 10: a lease expiring mid-audit).
+    p.stop()
     report = await audit(kafka_bootstrap, topology)
     assert report.ok, report.render()
     assert report.consumed == 0 and report.users == 2  # carol and dave (the probe changed nothing)
@@ -225,6 +228,9 @@ async def test_kill_9_under_mixed_load_loses_and_doubles_nothing(kafka_bootstrap
     # Let every queued reservation pass its reconcile deadline and every lease expire.
     await asyncio.sleep(7.0)
     await wait_until_committed(kafka_bootstrap, topology)
+    # The audit compares the table with the ledger: stop the processor first, so that no timer
+    # reconcile lands between its reading of the two (it did, 1 run in 10: a lease expiring mid-audit).
+    p.stop()
     report = await audit(kafka_bootstrap, topology, concurrency_limit=2)
     assert report.ok, report.render()
     assert report.consumed > 0 and report.entries_read > 0
@@ -266,6 +272,9 @@ async def test_two_instances_split_partitions_and_a_rebalance_loses_or_doubles_n
     a.start("pa")  # comes back: partitions split again
     await _drive(load, 60)
     await wait_until_committed(kafka_bootstrap, topology)
+    # Both stopped before the audit compares the table with the ledger (no timer reconcile between them).
+    a.stop()
+    b.stop()
     report = await audit(kafka_bootstrap, topology, concurrency_limit=2)
     assert report.ok, report.render()
     assert report.users >= 10 and report.table_users >= report.users  # the table also holds the probe user
@@ -377,6 +386,9 @@ async def test_a_backlog_caught_up_after_kill_9_is_decided_once_with_no_reused_e
     assert killed
     assert want <= got, f"{len(want - got)} commands never decided"
     await wait_until_committed(kafka_bootstrap, topology)
+    # The audit compares the table with the ledger: stop the processor first, so that no timer
+    # reconcile lands between its reading of the two (it did, 1 run in 10: a lease expiring mid-audit).
+    p.stop()
     report = await audit(kafka_bootstrap, topology)
     assert report.ok, report.render()
 
@@ -400,9 +412,11 @@ async def test_commands_the_consumer_never_delivered_are_read_from_kafka_and_dec
         got = await decided_command_ids(kafka_bootstrap, topology)
     assert want <= got, f"{len(want - got)} commands never decided"
     await wait_until_committed(kafka_bootstrap, topology)
+    # The audit compares the table with the ledger: stop the processor first, so that no timer
+    # reconcile lands between its reading of the two (it did, 1 run in 10: a lease expiring mid-audit).
+    p.stop()
     report = await audit(kafka_bootstrap, topology)
     assert report.ok, report.render()
-    p.stop()
     log = p.log_text()
     for hole in ("[5, 7) of", "[9, 10) of", "[0, 1) of"):
         assert f"faust skipped offsets {hole}" in log, log[-4000:]
