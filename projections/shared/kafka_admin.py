@@ -85,7 +85,11 @@ async def ensure_topics(
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ADMIN_REQUEST_TIMEOUT_MS, **kafka_client_kwargs())
     await admin.start()
     try:
-        existing = {t["topic"]: t for t in await admin.describe_topics() if t.get("error_code", 0) == 0}
+        # Only the topics asked for are described (a shared cluster may hold thousands of others).
+        present = set(await admin.list_topics())
+        wanted = [s.name for s in specs if s.name in present]
+        described = await admin.describe_topics(wanted) if wanted else []
+        existing = {t["topic"]: t for t in described if t.get("error_code", 0) == 0}
         missing = [s for s in specs if s.name not in existing]
         if missing:
             response = await admin.create_topics(

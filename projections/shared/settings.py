@@ -137,26 +137,15 @@ def env_value(
     return value  # type: ignore[no-any-return]
 
 
-def setting(
-    var: str,
-    default: Any = None,
-    *,
-    kind: type | None = None,
-    parse: Callable[[str], Any] | None = None,
-    expected: str | None = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    choices: Sequence[str] | None = None,
-    default_factory: Callable[[], Any] | None = None,
-) -> Any:
-    """A dataclass field read from ``var`` when the class is built without it (see ``env_value``)."""
+def setting(var: str, default: Any = None, **checks: Any) -> Any:
+    """A dataclass field read from ``var`` when the class is built without it.
+
+    ``checks`` are ``env_value``'s keywords (``kind``, ``parse``, ``expected``, ``ge``, ``gt``, ``le``,
+    ``choices``, ``default_factory``), applied when the class is built.
+    """
 
     def read() -> Any:
-        return env_value(
-            var, default, kind=kind, parse=parse, expected=expected, ge=ge, gt=gt, le=le, choices=choices,
-            default_factory=default_factory,
-        )
+        return env_value(var, default, **checks)
 
     return dataclasses.field(default_factory=read, metadata={"env": var})
 

@@ -37,11 +37,13 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+@functools.lru_cache(maxsize=VOCABS_CACHED_MAX)
 def vocabulary_path(model: CatalogModel) -> str | None:
     """The weights file whose vocabulary counts this model's tokens here, or None (use the estimate).
 
     Only the pinned weights count: a file with another digest would give another count than the
-    worker's, so it is not used (the worker refuses to serve it too).
+    worker's, so it is not used (the worker refuses to serve it too). Found once per model: it is on
+    the edge's request path (a package lookup, a stat and a digest check per call otherwise).
     """
     if model.tokenizer is not TokenizerKind.GGUF or not llama_cpp_available():
         return None
