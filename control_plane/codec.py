@@ -51,6 +51,7 @@ def _attempt(d: dict[str, Any] | None) -> Attempt | None:
 def load_record(d: dict[str, Any]) -> RequestRecord:
     """A ``RequestRecord`` from its decoded JSON document."""
     code = d["code"]
+    detach_reason = d.get("detach_reason")
     return RequestRecord(
         **{
             **d,
@@ -59,6 +60,7 @@ def load_record(d: dict[str, Any]) -> RequestRecord:
             "attempt": _attempt(d["attempt"]),
             "code": None if code is None else RejectionCode(code),
             "reply_to": _reply_to(d["reply_to"]),
+            "detach_reason": None if detach_reason is None else CancelReason(detach_reason),
         }
     )
 

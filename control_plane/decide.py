@@ -30,9 +30,11 @@ from schemas.codes import (
 )
 from schemas.commands import (
     AcceptAttempt,
+    AttachReader,
     CancelGeneration,
     Command,
     DeclineAttempt,
+    DetachReader,
     ReconcileDue,
     RenewLease,
     ReportAttemptFinished,
@@ -116,6 +118,10 @@ def decide(state: UserLedger, command: Command, policy: Policy) -> Decision:
             return _renew(state, command, policy, out)
         case CancelGeneration():
             return _cancel(state, command, out)
+        case DetachReader():
+            return _detach(state, command, out)
+        case AttachReader():
+            return _attach(state, command, out)
         case ReportAttemptFinished():
             return _report(state, command, policy, out)
         case ReconcileDue():
@@ -281,6 +287,7 @@ def _admit(
         slot_index=slot,
         queue_deadline_ms=queue_deadline,
         reconcile_deadline_ms=queue_deadline + policy.reconcile_grace_ms,
+        reader_id=c.reader_id,
         reply_to=c.reply_to,
     )
     return out.decision(
@@ -442,15 +449,25 @@ def _cancel(state: UserLedger, c: CancelGeneration, out: _Emitter) -> Decision:
     if record is None:
         return out.reject(RejectionCode.NOT_FOUND, generation_id=c.generation_id)
     status = record.status
+    if status is RequestStatus.QUEUED or status is RequestStatus.ADMISSION_RETRYABLE:
+        _stop(state, record, c.reason, out)
+        return out.decision(OutcomeKind.APPLIED, record, status=RequestStatus.CANCELLED)
+    if status is RequestStatus.RUNNING:
+        _stop(state, record, c.reason, out)
+        return out.decision(OutcomeKind.CANCEL_REQUESTED, record, status=status)
+    return out.decision(OutcomeKind.EXISTING, record, status=status, code=record.code)
+
+
+def _stop(state: UserLedger, record: RequestRecord, reason: CancelReason, out: _Emitter) -> None:
+    """Cancel a request that is not terminal: at once when no attempt can be running, else ask its owner."""
+    status = record.status
     if status is RequestStatus.QUEUED:
         # Not accepted, and acceptance can only commit here: fencing the epoch proves it never starts.
         _release_unstarted(state, record, out, FenceReason.CANCELLED_IN_QUEUE)
-        out.emit(ev.GenerationCancelled, record.generation_id, epoch=record.epoch, reason=c.reason, partial=False)
-        return out.decision(OutcomeKind.APPLIED, record, status=RequestStatus.CANCELLED)
-    if status is RequestStatus.ADMISSION_RETRYABLE:
-        out.emit(ev.GenerationCancelled, record.generation_id, epoch=record.epoch, reason=c.reason, partial=False)
-        return out.decision(OutcomeKind.APPLIED, record, status=RequestStatus.CANCELLED)
-    if status is RequestStatus.RUNNING:
+        out.emit(ev.GenerationCancelled, record.generation_id, epoch=record.epoch, reason=reason, partial=False)
+    elif status is RequestStatus.ADMISSION_RETRYABLE:
+        out.emit(ev.GenerationCancelled, record.generation_id, epoch=record.epoch, reason=reason, partial=False)
+    elif status is RequestStatus.RUNNING:
         attempt = record.attempt
         assert attempt is not None and attempt.owner_worker_id is not None
         if attempt.cancel_reason is None:
@@ -459,10 +476,73 @@ def _cancel(state: UserLedger, c: CancelGeneration, out: _Emitter) -> Decision:
                 record.generation_id,
                 epoch=attempt.epoch,
                 owner_worker_id=attempt.owner_worker_id,
-                reason=c.reason,
+                reason=reason,
             )
-        return out.decision(OutcomeKind.CANCEL_REQUESTED, record, status=status)
-    return out.decision(OutcomeKind.EXISTING, record, status=status, code=record.code)
+
+
+# --- readers --------------------------------------------------------------------------------
+
+
+def _being_cancelled(record: RequestRecord) -> bool:
+    return record.attempt is not None and record.attempt.cancel_reason is not None
+
+
+def _detach(state: UserLedger, c: DetachReader, out: _Emitter) -> Decision:
+    """The reader is gone: the generation waits ``grace_ms`` for another, then the timer cancels it.
+
+    Nothing changes for a settled request, one already detached (the first deadline stands), one
+    being cancelled, or one another reader has attached to since ``c.reader_id`` read it.
+    """
+    record = state.record_of(c.generation_id)
+    if record is None:
+        return out.reject(RejectionCode.NOT_FOUND, generation_id=c.generation_id)
+    if (
+        not record.status.active
+        or record.reader_id != c.reader_id
+        or record.detached_until_ms
+        or _being_cancelled(record)
+    ):
+        return out.decision(OutcomeKind.EXISTING, record, status=record.status, code=record.code)
+    out.emit(
+        ev.ReaderDetached,
+        record.generation_id,
+        reader_id=c.reader_id,
+        detached_until_ms=c.issued_at_ms + c.grace_ms,
+        reason=c.reason,
+    )
+    return out.decision(OutcomeKind.APPLIED, record, status=record.status)
+
+
+def _attach(state: UserLedger, c: AttachReader, out: _Emitter) -> Decision:
+    """A reader reads the generation again (on any edge): a pending detach is withdrawn."""
+    record = state.record_of(c.generation_id)
+    if record is None:
+        return out.reject(RejectionCode.NOT_FOUND, generation_id=c.generation_id)
+    unchanged = record.reader_id == c.reader_id and not record.detached_until_ms
+    if not record.status.active or unchanged or _being_cancelled(record):
+        return out.decision(OutcomeKind.EXISTING, record, status=record.status, code=record.code)
+    out.emit(ev.ReaderAttached, record.generation_id, reader_id=c.reader_id)
+    return out.decision(OutcomeKind.APPLIED, record, status=record.status)
+
+
+def attached_reader(record: RequestRecord) -> str:
+    """The reader (edge process) whose death would leave this request unread, or "": the one named
+    by an active request that is neither detached nor being cancelled already."""
+    if record.reader_id and record.status.active and not record.detached_until_ms and not _being_cancelled(record):
+        return record.reader_id
+    return ""
+
+
+def attached_readers(state: UserLedger) -> frozenset[str]:
+    """``attached_reader`` of every request of this user (the edges the processor watches for it)."""
+    return frozenset(reader for record in state.requests.values() if (reader := attached_reader(record)))
+
+
+def _detach_due(record: RequestRecord) -> int | None:
+    """When the timer cancels this detached request; None while a reader is attached."""
+    if record.detached_until_ms and record.status.active and not _being_cancelled(record):
+        return record.detached_until_ms
+    return None
 
 
 # --- finalization ---------------------------------------------------------------------------
@@ -608,17 +688,22 @@ def _reconcile(state: UserLedger, c: ReconcileDue, policy: Policy, out: _Emitter
     # (``<command_id>/<n>``), and a state read back from the processor's table holds its records in
     # another order than the one that built it, so a redelivered ReconcileDue must number its events
     # the same either way. Only the (few) due records are sorted.
-    due: list[tuple[tuple[int, str], RequestRecord, FenceReason | None]] = []
+    due: list[tuple[tuple[int, str], RequestRecord, FenceReason | CancelReason | None]] = []
     for record in state.requests.values():
         attempt = record.attempt
+        detach_at = _detach_due(record)
         if record.status is RequestStatus.QUEUED and attempt is not None:
             if attempt.reconcile_deadline_ms <= now:
                 due.append((_canonical_order(record), record, FenceReason.QUEUE_DEADLINE))
+            elif detach_at is not None and detach_at <= now:
+                due.append((_canonical_order(record), record, record.detach_reason or CancelReason.CLIENT_DISCONNECT))
         elif record.status is RequestStatus.RUNNING and attempt is not None:
             if attempt.run_deadline_ms <= now:
                 due.append((_canonical_order(record), record, FenceReason.RUN_DEADLINE))
             elif attempt.lease_deadline_ms <= now:
                 due.append((_canonical_order(record), record, FenceReason.LEASE_EXPIRED))
+            elif detach_at is not None and detach_at <= now:
+                due.append((_canonical_order(record), record, record.detach_reason or CancelReason.CLIENT_DISCONNECT))
         else:
             purge_at = purge_at_ms(record, policy)
             if purge_at is not None and purge_at <= now:
@@ -627,6 +712,9 @@ def _reconcile(state: UserLedger, c: ReconcileDue, policy: Policy, out: _Emitter
     for _, record, reason in due:
         if reason is None:
             out.emit(ev.DedupRecordPurged, record.generation_id, idempotency_key=record.idempotency_key)
+        elif isinstance(reason, CancelReason):
+            # Detached and no reader came back within the grace: cancel it as its reader would have.
+            _stop(state, record, reason, out)
         elif reason is FenceReason.QUEUE_DEADLINE:
             _lapse(state, record, out, reason)
         else:
@@ -657,6 +745,9 @@ def next_deadline_ms(state: UserLedger, policy: Policy) -> int | None:
 
     for record in state.requests.values():
         attempt = record.attempt
+        detach_at = _detach_due(record)
+        if detach_at is not None:
+            consider(detach_at)
         if record.status is RequestStatus.QUEUED and attempt is not None:
             consider(attempt.reconcile_deadline_ms)
         elif record.status is RequestStatus.RUNNING and attempt is not None:
@@ -673,6 +764,8 @@ def next_deadline_ms(state: UserLedger, policy: Policy) -> int | None:
 
 __all__ = [
     "CancelReason",
+    "attached_reader",
+    "attached_readers",
     "Decision",
     "decide",
     "generation_id_for",

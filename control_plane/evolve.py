@@ -94,6 +94,7 @@ def _admitted(state: UserLedger, e: ev.GenerationAdmitted) -> UserLedger:
         updated_at_ms=e.occurred_at_ms,
         attempt=Attempt(e.epoch, None, e.queue_deadline_ms, e.reconcile_deadline_ms, window_start_ms=e.window_start_ms),
         reply_to=e.reply_to,
+        reader_id=e.reader_id,
     )
     state = replace(state, windows=_put_window(state, window), reservations=reservations, slots=slots)
     return _put_request(state, record, e.occurred_at_ms)
@@ -191,11 +192,23 @@ def _slot_released(state: UserLedger, e: ev.ConcurrencySlotReleased) -> UserLedg
 
 
 def _returned(state: UserLedger, e: ev.GenerationReturnedToAdmission) -> UserLedger:
-    return _update(state, e, status=RequestStatus.ADMISSION_RETRYABLE, attempt=None, code=e.code)
+    return _update(state, e, status=RequestStatus.ADMISSION_RETRYABLE, attempt=None, code=e.code, **_NO_DETACH)
 
 
 def _terminal(state: UserLedger, e: Any, status: RequestStatus, **changes: Any) -> UserLedger:
-    return _update(state, e, status=status, attempt=None, terminal_at_ms=e.occurred_at_ms, **changes)
+    return _update(state, e, status=status, attempt=None, terminal_at_ms=e.occurred_at_ms, **_NO_DETACH, **changes)
+
+
+# A settled request has no reader to wait for.
+_NO_DETACH: dict[str, Any] = {"detached_until_ms": 0, "detach_reason": None}
+
+
+def _reader_detached(state: UserLedger, e: ev.ReaderDetached) -> UserLedger:
+    return _update(state, e, detached_until_ms=e.detached_until_ms, detach_reason=e.reason)
+
+
+def _reader_attached(state: UserLedger, e: ev.ReaderAttached) -> UserLedger:
+    return _update(state, e, reader_id=e.reader_id, **_NO_DETACH)
 
 
 def _completed(state: UserLedger, e: ev.GenerationCompleted) -> UserLedger:
@@ -251,6 +264,8 @@ _APPLY: dict[type, Callable[[UserLedger, Any], UserLedger]] = {
     ev.AttemptFenced: _fenced,
     ev.LeaseRenewed: _renewed,
     ev.CancelRequested: _cancel_requested,
+    ev.ReaderDetached: _reader_detached,
+    ev.ReaderAttached: _reader_attached,
     ev.ConcurrencySlotReleased: _slot_released,
     ev.GenerationReturnedToAdmission: _returned,
     ev.GenerationCompleted: _completed,

@@ -12,6 +12,7 @@ Mapping onto the seed's records:
 - Reservation -> ``Reservation`` in ``reservations`` (kept while its window is retained).
 - Concurrency slots -> ``slots`` (slot index -> generation id).
 - Usage record ``(generation, epoch)`` -> ``UsageEntry`` in ``usage``.
+- The generation's reader (the edge holding the client) and a pending detach -> ``RequestRecord``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class RequestRecord:
     result_expires_at_ms: int = 0
     reset_at_ms: int = 0  # for a quota rejection: the end of the window it was refused in
     reply_to: ReplyTo | None = None
+    # The edge process holding the client's connection ("" = none named), and, while no reader is
+    # attached, when the timer cancels the generation and with which reason (0 / None: attached).
+    reader_id: str = ""
+    detached_until_ms: int = 0
+    detach_reason: CancelReason | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -37,6 +38,7 @@ from edge.readmodel import ReadModel
 from edge.routes import generations
 from edge.settings import EdgeSettings
 from edge.streams import GenerationView, StreamHub
+from edge.presence import PresenceBeacon
 from edge.tokens import input_token_counter
 from projections.shared.catalog import load_catalog
 from projections.shared.command_client import CommandClient
@@ -66,7 +68,10 @@ class Edge:
             settings.edge_replicas,
             settings.users_sticky,
         )
-        self.hub = StreamHub(settings, self.metrics)
+        # This process as a reader of its clients' generations: new at every start (edge/presence.py).
+        self.edge_id = uuid.uuid4().hex
+        self.hub = StreamHub(settings, self.metrics, self.edge_id)
+        self.presence = PresenceBeacon(self.edge_id, settings.topology, settings.presence_interval_s, self.metrics)
         self.capacity = CapacityView(settings.heartbeat_stale_ms, settings.generation_service_ms_estimate)
         self.catalog = load_catalog()
         self.count_tokens = input_token_counter(self.catalog)
@@ -99,17 +104,19 @@ class Edge:
         )
         await self._producer.start()
         self.hub.producer = self._producer
+        self.presence.start(self._producer)
         if s.capacity_check:
             self._capacity_reader = CapacityReader(s.kafka_bootstrap, s.topology, self.capacity)
             await self._capacity_reader.start()
         self.ready = True
         self.admission.start()
-        log.info("edge ready inbox_partition=%d", s.inbox_partition)
+        log.info("edge ready inbox_partition=%d edge_id=%s", s.inbox_partition, self.edge_id)
 
     async def stop(self) -> None:
         self.ready = False
         await self.admission.stop()
         await self.hub.flush_background()
+        await self.presence.stop()
         if self._capacity_reader is not None:
             await self._capacity_reader.stop()
         if self._producer is not None:

@@ -50,8 +50,13 @@ class EdgeMetrics:
             "chatplane_edge_slow_consumer_cancels", "Generations cancelled because their reader fell behind.",
             ["limit"], registry=r,
         )
-        self.disconnect_cancels = Counter(
-            "chatplane_edge_disconnect_cancels", "Generations cancelled after a client disconnect grace.", registry=r
+        self.readers_detached = Counter(
+            "chatplane_edge_readers_detached",
+            "Generations detached because their client disconnected (cancelled after the grace unless reattached).",
+            registry=r
+        )
+        self.presence_failures = Counter(
+            "chatplane_edge_presence_failures", "Liveness beats (EdgePresence) that could not be sent.", registry=r
         )
         self.deltas_dropped = Counter(
             "chatplane_edge_deltas_dropped", "Text deltas dropped (stale epoch, duplicate, or no stream held).",

@@ -88,7 +88,12 @@ class EdgeSettings:
     stream_buffer_bytes_max: int = setting("CHATPLANE_EDGE_STREAM_BUFFER_BYTES_MAX", 64 * 1024, ge=1)
     aggregate_buffer_bytes_max: int = setting("CHATPLANE_EDGE_AGGREGATE_BUFFER_BYTES_MAX", 256 * 1024 * 1024, ge=1)
     streams_max: int = setting("CHATPLANE_EDGE_STREAMS_MAX", 20_000, ge=1)
-    disconnect_grace_s: float = setting("CHATPLANE_EDGE_DISCONNECT_GRACE_S", 5.0, ge=0)
+    # A reader that disconnects detaches its generation (DetachReader): the processor cancels it this
+    # long after, unless a reader attaches again first.
+    disconnect_grace_s: float = setting("CHATPLANE_EDGE_DISCONNECT_GRACE_S", 5.0, ge=0, le=3600)
+    # The edge's liveness lease: an EdgePresence this often (processors detach the generations of an
+    # edge unheard for max(their lease, 3 intervals): projections/ledger/presence.py).
+    presence_interval_s: float = setting("CHATPLANE_EDGE_PRESENCE_INTERVAL_S", 1.0, gt=0, le=60)
     # After the worker-side deadlines, how long a held stream waits for its terminal event at most.
     generation_wait_s_max: float = setting("CHATPLANE_EDGE_GENERATION_WAIT_S_MAX", 160.0, gt=0)
     # Non-streaming result buffer.

@@ -12,8 +12,11 @@ Bounds: each stream buffers at most ``stream_buffer_bytes_max`` of frames not ye
 socket, and all streams together at most ``aggregate_buffer_bytes_max``. A delta that would pass
 either limit is not buffered: the stream is marked overflowed, further deltas are dropped, and its
 generation is cancelled with reason ``slow_consumer`` (counted). The inbox reader never waits for a
-socket, so one slow reader cannot slow the others. A reader that disconnects leaves its generation
-running for ``disconnect_grace_s``; then it is cancelled with reason ``client_disconnect``.
+socket, so one slow reader cannot slow the others. A reader that disconnects detaches its generation
+(``DetachReader``, grace ``disconnect_grace_s``): the processor cancels it with reason
+``client_disconnect`` at the end of the grace unless a reader attaches again. The deadline is in the
+processor's state, so it holds if this edge dies inside the grace; an edge that dies with readers
+attached stops renewing its liveness lease (edge/presence.py) and the processor detaches them.
 The terminal frame is always delivered (it is small and bounded) and only after the processor's
 ``GenerationFinalized``; deltas of an epoch other than the stream's current one are dropped.
 """
@@ -36,7 +39,7 @@ from edge import sse
 from edge.metrics import EdgeMetrics
 from edge.settings import EdgeSettings
 from schemas.codes import CancelReason, RejectionCode, RequestStatus, Tier
-from schemas.commands import CancelGeneration
+from schemas.commands import CancelGeneration, DetachReader
 from schemas.messages import ChatMessage, GenerationFinalized, PromptPayload, PromptRequest, TextDelta
 from schemas.wire import encode
 
@@ -104,9 +107,11 @@ class GenerationView:
 
 
 class StreamHub:
-    def __init__(self, settings: EdgeSettings, metrics: EdgeMetrics) -> None:
+    def __init__(self, settings: EdgeSettings, metrics: EdgeMetrics, edge_id: str = "") -> None:
         self.settings = settings
         self.metrics = metrics
+        # This process as a reader (SubmitGeneration.reader_id, DetachReader.reader_id).
+        self.edge_id = edge_id
         self.streams: dict[str, GenerationStream] = {}
         self.aggregate_bytes = 0
         self.draining = False
@@ -359,7 +364,7 @@ class StreamHub:
         task.add_done_callback(_log_failure)
 
     def release(self, stream: GenerationStream) -> None:
-        """The reader is gone (disconnect or response written). Cancel after the grace if still running."""
+        """The reader is gone (disconnect or response written). Detach the generation if still running."""
         if stream.reader_gone:
             return
         stream.reader_gone = True
@@ -370,20 +375,30 @@ class StreamHub:
         if stream.finalized is not None:
             self._drop(stream)
             return
-        self._background(self._after_grace(stream))
+        self._background(self._detach(stream))
 
-    async def _after_grace(self, stream: GenerationStream) -> None:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.settings.disconnect_grace_s):
-                await stream.done.wait()
-        if stream.finalized is None:
-            self.metrics.disconnect_cancels.inc()
-            log.debug("client gone: cancelling generation_id=%s", stream.generation_id)
-            await self.send_cancel(stream.user_id, stream.generation_id, CancelReason.CLIENT_DISCONNECT)
+    async def _detach(self, stream: GenerationStream) -> None:
+        """Tell the processor the reader is gone, then hold the stream until its terminal state (the
+        processor's timer cancels it at the end of the grace unless a reader attaches again)."""
+        grace_s = self.settings.disconnect_grace_s
+        self.metrics.readers_detached.inc()
+        log.debug("client gone: detaching generation_id=%s", stream.generation_id)
+        command = DetachReader(
+            command_id=uuid.uuid4().hex,
+            user_id=stream.user_id,
+            issued_at_ms=int(time.time() * 1000),
+            generation_id=stream.generation_id,
+            reader_id=self.edge_id,
+            grace_ms=int(grace_s * 1000),
+            reason=CancelReason.CLIENT_DISCONNECT,
+        )
+        try:
+            await self.client.send(command)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.generation_wait_s_max):
+                async with asyncio.timeout(grace_s + self.settings.generation_wait_s_max):
                     await stream.done.wait()
-        self._drop(stream)
+        finally:
+            self._drop(stream)
 
     # --- writer -------------------------------------------------------------------------------
 

@@ -84,6 +84,9 @@ class CancelReason(StrEnum):
     CLIENT_DISCONNECT = "client_disconnect"
     SLOW_CONSUMER = "slow_consumer"
     DRAIN = "drain"
+    # The edge that held the generation's reader stopped renewing its liveness lease (it died) and no
+    # reader reattached within the detach grace (DetachReader, issued by the processor's shell).
+    EDGE_LOST = "edge_lost"
 
 
 class FenceReason(StrEnum):

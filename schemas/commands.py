@@ -1,6 +1,6 @@
 """Commands: imperative requests appended to the ``commands`` topic (key ``user_id``).
 
-Issuers: the edge (submit, cancel), workers (accept, decline, renew, report) and the processor's
+Issuers: the edge (submit, cancel, detach and attach readers), workers (accept, decline, renew, report) and the processor's
 deadline timer (reconcile). Every command carries a unique ``command_id`` and the issuer's clock
 ``issued_at_ms``; the core takes time only from there. Commands never carry prompt or output text:
 the request is represented by an HMAC ``fingerprint`` computed at the edge.
@@ -22,6 +22,11 @@ IdempotencyKey = Annotated[str, Field(min_length=1, max_length=255)]
 Millis = Annotated[int, Field(ge=0, le=2**53)]
 Count = Annotated[int, Field(ge=0, le=10_000_000)]
 Epoch = Annotated[int, Field(ge=1, le=1_000_000)]
+# The reader of a generation: the edge process (its ``edge_id``, new at each start) holding the
+# client's connection; "" = none named (workers, tests, commands written before readers existed).
+ReaderId = Annotated[str, Field(min_length=0, max_length=64)]
+# How long a detached generation waits for a reader to reattach before it is cancelled.
+DETACH_GRACE_MS_MAX = 3_600_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,9 @@ class SubmitGeneration:
     # stamp is the decision's input, recorded on the ledger entry, and a command decided again
     # after a crash is given the stamp its first decision recorded.
     read_at_ms: Millis = 0
+    # The edge process that holds the client's connection (its liveness lease is watched by the
+    # processor: a generation whose reader's edge died is detached, then cancelled; DetachReader).
+    reader_id: ReaderId = ""
     reply_to: ReplyTo | None = None
 
 
@@ -127,6 +135,43 @@ class CancelGeneration:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DetachReader:
+    """The generation's reader is gone: cancel it ``grace_ms`` after ``issued_at_ms`` unless a reader
+    reattaches first (idempotent; ignored when the generation is settled, already detached, or read
+    by another reader than ``reader_id`` by then).
+
+    Issued by the edge when the client's socket closes (reason ``client_disconnect``), and by the
+    processor's shell when the reader's edge stopped renewing its liveness lease (``edge_lost``):
+    one mechanism, so a generation is never left running for a reader nobody serves.
+    """
+
+    type: Literal["DetachReader"] = "DetachReader"
+    schema_version: int = COMMAND_SCHEMA_VERSION
+    command_id: Id
+    user_id: Id
+    issued_at_ms: Millis
+    generation_id: Id
+    reader_id: ReaderId
+    grace_ms: Annotated[int, Field(ge=0, le=DETACH_GRACE_MS_MAX)]
+    reason: CancelReason = CancelReason.CLIENT_DISCONNECT
+    reply_to: ReplyTo | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttachReader:
+    """A reader (on any edge) is reading the generation again: a pending detach is withdrawn."""
+
+    type: Literal["AttachReader"] = "AttachReader"
+    schema_version: int = COMMAND_SCHEMA_VERSION
+    command_id: Id
+    user_id: Id
+    issued_at_ms: Millis
+    generation_id: Id
+    reader_id: Annotated[str, Field(min_length=1, max_length=64)]
+    reply_to: ReplyTo | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ReportAttemptFinished:
     """The owning worker reports how ``epoch`` ended, with actual usage (also on cancel)."""
 
@@ -165,6 +210,8 @@ Command = (
     | DeclineAttempt
     | RenewLease
     | CancelGeneration
+    | DetachReader
+    | AttachReader
     | ReportAttemptFinished
     | ReconcileDue
 )
@@ -174,6 +221,8 @@ COMMAND_TYPES: tuple[type, ...] = (
     DeclineAttempt,
     RenewLease,
     CancelGeneration,
+    DetachReader,
+    AttachReader,
     ReportAttemptFinished,
     ReconcileDue,
 )

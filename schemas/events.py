@@ -44,7 +44,8 @@ class GenerationAdmitted(_EventBase):
 
     type: Literal["GenerationAdmitted"] = "GenerationAdmitted"
     # v2 added window_end_ms (v1 readers derived it from the fixed 3-hour width).
-    schema_version: int = 2
+    # v3 added reader_id (v2 records upcast to "": no reader named, never detached by an edge's death).
+    schema_version: int = 3
     idempotency_key: str
     fingerprint: str
     model_alias: str
@@ -62,6 +63,7 @@ class GenerationAdmitted(_EventBase):
     slot_index: int
     queue_deadline_ms: int
     reconcile_deadline_ms: int
+    reader_id: str
     reply_to: ReplyTo | None = None
 
 
@@ -156,6 +158,25 @@ class CancelRequested(_EventBase):
     epoch: int
     owner_worker_id: str
     reason: CancelReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReaderDetached(_EventBase):
+    """The generation's reader (``reader_id``) is gone; unless a reader reattaches, the deadline timer
+    cancels it with ``reason`` at ``detached_until_ms``."""
+
+    type: Literal["ReaderDetached"] = "ReaderDetached"
+    reader_id: str
+    detached_until_ms: int
+    reason: CancelReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReaderAttached(_EventBase):
+    """``reader_id`` reads the generation now; a pending detach is withdrawn."""
+
+    type: Literal["ReaderAttached"] = "ReaderAttached"
+    reader_id: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -254,6 +275,8 @@ Event = (
     | AttemptFenced
     | LeaseRenewed
     | CancelRequested
+    | ReaderDetached
+    | ReaderAttached
     | ConcurrencySlotReleased
     | GenerationReturnedToAdmission
     | GenerationCompleted

@@ -7,6 +7,8 @@
   kind that carries generated text, so it lives only on the short-retention edge inbox.
 - ``GenerationFinalized``: processor -> edge inbox, sent after the terminal transition committed.
 - ``WorkerHeartbeat``: worker -> ``capacity``.
+- ``EdgePresence``: edge -> ``edge-presence``, its liveness lease: a processor that hears nothing
+  from an edge for the lease detaches the generations that edge was reading (``DetachReader``).
 - ``PromptRequest`` / ``PromptPayload``: the request content never enters commands, the ledger or
   dispatch. The edge that admitted a generation holds its messages in memory (bounded) while it
   holds the client's connection; a worker that received a dispatch asks that edge for them (on the
@@ -131,6 +133,17 @@ class WorkerHeartbeat:
     tokens_per_s: float
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EdgePresence:
+    """An edge process is alive and reading its clients' generations; sent every ``interval_ms``."""
+
+    type: Literal["EdgePresence"] = "EdgePresence"
+    schema_version: int = MESSAGE_SCHEMA_VERSION
+    edge_id: str  # new at every start of the process: a restarted edge is another reader
+    sent_at_ms: int
+    interval_ms: int
+
+
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str  # "user" or "assistant": a client cannot supply system or developer instructions
@@ -165,6 +178,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     TextDelta,
     GenerationFinalized,
     WorkerHeartbeat,
+    EdgePresence,
     PromptRequest,
     PromptPayload,
 )

@@ -11,6 +11,7 @@ Data flow (DESIGN section 2)::
                                                         |--EDGE_INBOX(partition per edge)--> edge (decisions)
                                                         `--USAGE(user_id)--> analysts
     workers --EDGE_INBOX--> edge (deltas);  workers --CAPACITY--> edge admission
+    edges --EDGE_PRESENCE--> admission processors (liveness leases of the edges holding readers)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ DISPATCH_PARTITIONS = 4
 WORKER_CONTROL_PARTITIONS = 16
 EDGE_INBOX_PARTITIONS = 8
 CAPACITY_PARTITIONS = 1
+EDGE_PRESENCE_PARTITIONS = 1
 DEAD_LETTER_PARTITIONS = 1
 
 DAY_MS = 24 * 3600 * 1000
@@ -83,6 +85,11 @@ WORKER_CONTROL = TopicSpec(
 # Holds generated text in flight: short retention by design.
 EDGE_INBOX = TopicSpec("chatplane.edge-inbox", EDGE_INBOX_PARTITIONS, 1 * HOUR_MS, segment_ms=CONTENT_SEGMENT_MS)
 CAPACITY = TopicSpec("chatplane.capacity", CAPACITY_PARTITIONS, 1 * HOUR_MS)
+# Edge liveness (EdgePresence, about one record per edge per second): read from its end by every
+# processor, so only minutes of it are ever needed.
+EDGE_PRESENCE = TopicSpec(
+    "chatplane.edge-presence", EDGE_PRESENCE_PARTITIONS, 1 * HOUR_MS, segment_ms=CONTENT_SEGMENT_MS
+)
 # Up to 4 KiB of an undecodable record (which may be a command or ledger entry with a fingerprint).
 DEAD_LETTER = TopicSpec(
     "chatplane.dead-letter", DEAD_LETTER_PARTITIONS, 14 * DAY_MS, segment_ms=FINGERPRINT_SEGMENT_MS
@@ -157,6 +164,10 @@ class Topology:
         return self._spec(CAPACITY)
 
     @property
+    def edge_presence(self) -> TopicSpec:
+        return self._spec(EDGE_PRESENCE)
+
+    @property
     def dead_letter(self) -> TopicSpec:
         return self._spec(DEAD_LETTER)
 
@@ -185,6 +196,7 @@ class Topology:
             self.worker_control,
             self.edge_inbox,
             self.capacity,
+            self.edge_presence,
             self.dead_letter,
             self.changelog,
             *dispatch,

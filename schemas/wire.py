@@ -63,6 +63,13 @@ def _admitted_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+@upcaster("GenerationAdmitted", 2)
+def _admitted_v2_to_v3(doc: dict[str, Any]) -> dict[str, Any]:
+    # Before readers were named no generation was detached when its edge died.
+    doc.setdefault("reader_id", "")
+    return doc
+
+
 @upcaster("AdmissionRejected", 1)
 def _rejected_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     # Unknown for v1 records: a same-key retry resolves the pool from the current catalog (decide).

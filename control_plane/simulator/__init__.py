@@ -156,6 +156,8 @@ class Stats:
     inferences_started: int = 0
     edge_timeouts: int = 0
     submits_read_late: int = 0  # submits the processor read after their decision deadline
+    detaches: int = 0  # DetachReader sent (a client went away instead of cancelling)
+    attaches: int = 0  # AttachReader sent (a client came back, on this or another edge)
     outcomes: Counter[str] = field(default_factory=Counter)
     rejections: Counter[str] = field(default_factory=Counter)  # refusal codes, redeliveries included
 
@@ -569,6 +571,14 @@ class Request:
     cancel_tries: int = 0
 
 
+# Readers: every submit names the simulated edge; a share of cancels are a client going away
+# instead (DetachReader with a random grace), some of which come back (AttachReader).
+READER_ID = "sim-edge"
+DETACH_P = 0.4
+DETACH_GRACE_MS_MAX = 3_000
+REATTACH_P = 0.3
+
+
 class Edge:
     """The HTTP edge and its clients: submits with timeouts and same-key retries, cancels."""
 
@@ -630,6 +640,7 @@ class Edge:
             input_tokens=sim.rng.randint(1, 500),
             estimated_queue_wait_ms=5_000 if sim.rng.random() < 0.03 else 0,
             decide_by_ms=self.decide_by_ms(),
+            reader_id=READER_ID,
             reply_to=reply_to,
         )
         self.pending[request_id] = ("submit", request)
@@ -639,6 +650,9 @@ class Edge:
     def cancel(self, request: Request) -> None:
         sim = self.sim
         if request.generation_id is None or sim.draining:
+            return
+        if request.cancel_tries == 0 and sim.rng.random() < DETACH_P:
+            self.detach(request)
             return
         request.cancel_tries += 1
         request_id, reply_to = self.reply_to()
@@ -654,6 +668,43 @@ class Edge:
         self.pending[request_id] = ("cancel", request)
         sim.append_command(command)
         sim.at(sim.config.edge_timeout_ms, self.timeout, request_id)
+
+    def detach(self, request: Request) -> None:
+        """The client goes away: its generation is detached (a lost command is a lost detach: the
+        generation then ends by its own deadlines); sometimes a reader comes back within the grace."""
+        sim = self.sim
+        assert request.generation_id is not None
+        request.cancel_tries += 1
+        grace_ms = sim.rng.randint(0, DETACH_GRACE_MS_MAX)
+        sim.stats.detaches += 1
+        sim.append_command(
+            cmd.DetachReader(
+                command_id=sim.new_id(f"detach:{request.user}"),
+                user_id=request.user,
+                issued_at_ms=sim.now_ms + self.clock_skew_ms,
+                generation_id=request.generation_id,
+                reader_id=READER_ID,
+                grace_ms=grace_ms,
+                reason=sim.rng.choice((CancelReason.CLIENT_DISCONNECT, CancelReason.EDGE_LOST)),
+            )
+        )
+        if sim.rng.random() < REATTACH_P:
+            sim.at(sim.rng.randint(0, 2 * grace_ms + 1), self.attach, request)
+
+    def attach(self, request: Request) -> None:
+        sim = self.sim
+        if request.generation_id is None or sim.draining:
+            return
+        sim.stats.attaches += 1
+        sim.append_command(
+            cmd.AttachReader(
+                command_id=sim.new_id(f"attach:{request.user}"),
+                user_id=request.user,
+                issued_at_ms=sim.now_ms + self.clock_skew_ms,
+                generation_id=request.generation_id,
+                reader_id=f"{READER_ID}-again",
+            )
+        )
 
     def timeout(self, request_id: str) -> None:
         entry = self.pending.pop(request_id, None)

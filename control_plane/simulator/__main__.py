@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  network sent={s.messages_sent} dropped={s.messages_dropped} duplicated={s.messages_duplicated}  "
             f"crashes processor={s.processor_crashes} worker={s.worker_crashes}  pauses={s.pauses}  "
             f"inferences started={s.inferences_started}  edge timeouts={s.edge_timeouts}  "
-            f"submits read after their deadline={s.submits_read_late}"
+            f"submits read after their deadline={s.submits_read_late}  "
+            f"readers detached={s.detaches} reattached={s.attaches}"
         )
         print(f"  outcomes: {dict(s.outcomes)}")
     return 0

@@ -247,6 +247,7 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
         # before this edge gives up: a submit the processor reads later is refused holding nothing,
         # and the 503 below never charges the client.
         decide_by_ms=settings.decide_by_ms(issued_at_ms),
+        reader_id=edge.edge_id,
         reply_to=edge.client.reply_to(request_id),
     )
     try:

@@ -5,6 +5,8 @@
         control_plane.aggregate.handle -> Decision          (pure; redeliveries answered from memory)
         control_plane.routing.route    -> LEDGER, reply_to, DISPATCH, WORKER_CONTROL, USAGE
     timer ``reconcile`` --> ReconcileDue commands for users whose deadlines passed (via COMMANDS)
+                      --> DetachReader for generations read by an edge that stopped renewing its
+                          liveness lease (EDGE_PRESENCE, presence.py), AttachReader if it comes back
     undecodable commands --> DEAD_LETTER with reason and offset; the partition keeps moving
 
 Delivery is at-least-once (faust flushes the producer before it commits offsets), not faust's
@@ -44,7 +46,7 @@ import faust
 from aiokafka.partitioner import murmur2
 
 from control_plane.aggregate import Aggregate, handle
-from control_plane.decide import next_deadline_ms
+from control_plane.decide import attached_reader, attached_readers, next_deadline_ms
 from control_plane.routing import route
 from projections.ledger import faust_adapter
 from projections.shared.gc_tuning import tune_gc
@@ -53,15 +55,27 @@ from projections.shared.kafka_settings import kafka_client_kwargs
 from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
 from projections.ledger.settings import ProcessorSettings
+from projections.ledger.presence import PresenceReader, PresenceView, monotonic_ms
 from projections.ledger.read_stamps import recall_read_stamps
-from projections.ledger.table_store import EMPTY_LAYOUT, Layout, TableWrites, is_settled_key, join, plan, unpack_deadline
-from schemas.commands import ReconcileDue, SubmitGeneration
+from projections.ledger.table_store import (
+    EMPTY_LAYOUT,
+    Layout,
+    TableWrites,
+    is_settled_key,
+    join,
+    plan,
+    unpack_deadline,
+    unpack_readers,
+)
+from schemas.codes import CancelReason
+from schemas.commands import AttachReader, DetachReader, ReconcileDue, SubmitGeneration
 from schemas.topics import TIERS, USER_TO_LEDGER_TABLE
 from schemas.wire import WireError, decode_command, encode
 
 log = logging.getLogger("chatplane.processor")
 
 DEAD_LETTER_VALUE_BYTES_MAX = 4_096  # how much of an undecodable message the dead letter keeps
+PRESENCE_RESTART_PAUSE_S = 1.0  # before the edge presence reader starts again after an error
 
 
 def user_partition(user_id: bytes, partitions: int) -> int:
@@ -91,6 +105,9 @@ class ProcessorStats:
     reconciles_appended: int = 0
     gaps: int = 0  # holes in faust's delivery of a partition, filled by reading Kafka directly
     gap_commands: int = 0
+    readers_detached: int = 0  # DetachReader sent for a generation whose reader's edge was lost
+    readers_reattached: int = 0  # AttachReader sent: the edge was heard again inside the grace
+    readers_unwatched: int = 0  # users not watched: readers_tracked_max reached
 
 
 class AdmissionProcessor:
@@ -141,6 +158,15 @@ class AdmissionProcessor:
         self._decoded: dict[bytes, tuple[bytes, Aggregate, Layout]] = {}
         # user key -> the time its next ReconcileDue is due (only users of partitions assigned here).
         self._deadlines: dict[bytes, int] = {}
+        # user key -> the readers (edges) of its active generations whose liveness is watched here
+        # (attached_readers; only users of partitions assigned here that have any).
+        self._readers: dict[bytes, frozenset[str]] = {}
+        # (user key, generation id) -> (the lost edge it was detached from, when its detach lapses):
+        # reattached by the timer if that edge is heard again in time (it was slow, not dead).
+        self._detached: dict[tuple[bytes, str], tuple[str, int]] = {}
+        # user key -> when the timer may send it reader commands again (one round at a time).
+        self._readers_resend: dict[bytes, int] = {}
+        self.presence = PresenceView(settings.edge_lease_ms, settings.edges_tracked_max)
         self._scan_needed = True
         # Decided commands, oldest first, whose outputs Kafka has not acknowledged yet; and per user
         # the newest aggregate decided here that is not yet written to the table (ahead of it).
@@ -160,6 +186,7 @@ class AdmissionProcessor:
         self._pending_room = asyncio.Event()
         self.app.agent(self.commands, name="admission", concurrency=1)(self._admission)
         self.app.timer(interval=settings.reconcile_tick_s, name="reconcile")(self._reconcile_tick)
+        self.app.task(self._watch_presence)
         self.app.on_partitions_assigned.connect(self._on_assigned)
         self.app.on_partitions_revoked.connect(self._on_revoked)
 
@@ -241,6 +268,7 @@ class AdmissionProcessor:
         lost = {tp.partition for tp in revoked if tp.topic == self.topology.commands.name}
         if lost:
             self._deadlines = {k: t for k, t in self._deadlines.items() if user_partition(k, self.partitions) not in lost}
+            self._readers = {k: r for k, r in self._readers.items() if user_partition(k, self.partitions) not in lost}
             self._decoded = {k: v for k, v in self._decoded.items() if user_partition(k, self.partitions) not in lost}
             self._unwritten = {k: v for k, v in self._unwritten.items() if user_partition(k, self.partitions) not in lost}
             for p in lost:
@@ -460,6 +488,7 @@ class AdmissionProcessor:
                 self._deadlines.pop(user_key, None)
             else:
                 self._deadlines[user_key] = deadline
+            self._watch_readers(user_key, writes.readers)
         for out in route(self.topology, before.ledger, after.ledger, command, decision, partition):
             pending.sends.append(await faust_adapter.send_record(self.app, out.topic, out.key, out.value, out.partition))
         return pending
@@ -498,11 +527,13 @@ class AdmissionProcessor:
         if not assigned:
             return
         deadlines: dict[bytes, int] = {}
+        self._readers = {}
         for key, value in self.table.items():
             if value is not None and not is_settled_key(key) and user_partition(key, self.partitions) in assigned:
                 deadline = unpack_deadline(value)
                 if deadline is not None:
                     deadlines[key] = deadline
+                self._watch_readers(key, unpack_readers(value)[0])
         for key, (aggregate, _) in self._unwritten.items():  # decided here, ahead of the table
             if user_partition(key, self.partitions) in assigned:
                 deadline = next_deadline_ms(aggregate.ledger, self.policy)
@@ -510,8 +541,82 @@ class AdmissionProcessor:
                     deadlines.pop(key, None)
                 else:
                     deadlines[key] = deadline
+                self._watch_readers(key, attached_readers(aggregate.ledger))
         self._deadlines = deadlines
         self._scan_needed = False
+
+    def _watch_readers(self, user_key: bytes, readers: frozenset[str]) -> None:
+        if not readers:
+            self._readers.pop(user_key, None)
+        elif user_key in self._readers or len(self._readers) < self.settings.readers_tracked_max:
+            self._readers[user_key] = readers
+        else:
+            self.stats.readers_unwatched += 1
+
+    async def _watch_presence(self) -> None:
+        """faust app task: the edge presence reader, for the life of the app."""
+        reader = PresenceReader(self.settings.kafka_bootstrap, self.topology, self.presence)
+        await reader.run_forever(PRESENCE_RESTART_PAUSE_S)
+
+    async def _readers_tick(self, now_ms: int) -> None:
+        """Detach the generations of users here whose reader's edge is lost; reattach those whose
+        edge was heard again before their detach lapsed. At most ``reconcile_commands_per_tick_max``
+        commands a tick; a user gets one round of them per ``reconcile_resend_ms``."""
+        mono = monotonic_ms()
+        budget = self.settings.reconcile_commands_per_tick_max
+        for (user_key, generation_id), (edge_id, until_ms) in list(self._detached.items()):
+            if until_ms <= now_ms:
+                del self._detached[(user_key, generation_id)]
+            elif not self.presence.lost(edge_id, mono) and budget > 0:
+                del self._detached[(user_key, generation_id)]
+                await self._send_reader_command(
+                    user_key,
+                    AttachReader(
+                        command_id=f"attach:{generation_id}:{edge_id}:{now_ms}",
+                        user_id=user_key.decode(),
+                        issued_at_ms=now_ms,
+                        generation_id=generation_id,
+                        reader_id=edge_id,
+                    ),
+                )
+                self.stats.readers_reattached += 1
+                budget -= 1
+        for user_key, readers in list(self._readers.items()):
+            if budget <= 0:
+                break
+            lost = {r for r in readers if self.presence.lost(r, mono)}
+            if not lost or self._readers_resend.get(user_key, 0) > now_ms:
+                continue
+            self._readers_resend[user_key] = now_ms + self.settings.reconcile_resend_ms
+            user_id = user_key.decode()
+            aggregate, _ = self._aggregate(user_key, user_id)
+            for record in aggregate.ledger.requests.values():
+                if attached_reader(record) not in lost:
+                    continue
+                if len(self._detached) < self.settings.readers_tracked_max:
+                    self._detached[(user_key, record.generation_id)] = (
+                        record.reader_id,
+                        now_ms + self.settings.edge_lost_grace_ms,
+                    )
+                await self._send_reader_command(
+                    user_key,
+                    DetachReader(
+                        command_id=f"detach:{record.generation_id}:{record.reader_id}",
+                        user_id=user_id,
+                        issued_at_ms=now_ms,
+                        generation_id=record.generation_id,
+                        reader_id=record.reader_id,
+                        grace_ms=self.settings.edge_lost_grace_ms,
+                        reason=CancelReason.EDGE_LOST,
+                    ),
+                )
+                self.stats.readers_detached += 1
+                budget -= 1
+        if len(self._readers_resend) > len(self._readers) * 2 + 1_000:
+            self._readers_resend = {k: t for k, t in self._readers_resend.items() if t > now_ms}
+
+    async def _send_reader_command(self, user_key: bytes, command: DetachReader | AttachReader) -> None:
+        await faust_adapter.send_record(self.app, self.topology.commands.name, user_key, encode(command), None)
 
     async def _reconcile_tick(self) -> None:
         """Append ReconcileDue for every user here whose next deadline passed; decide does the rest."""
@@ -531,13 +636,15 @@ class AdmissionProcessor:
             await faust_adapter.send_record(self.app, self.topology.commands.name, key, encode(command), None)
             self._deadlines[key] = now_ms + self.settings.reconcile_resend_ms
             self.stats.reconciles_appended += 1
+        await self._readers_tick(now_ms)
 
     async def check_topology(self) -> None:
         """Co-partitioning, and a dispatch topic for every pool and tier of the catalog: a pool added to
         the catalog without ``infra/create-topics`` stops the processor here, not at its first dispatch."""
         await assert_copartitioned(self.settings.kafka_bootstrap, self.topology)
         pools = {m.pool for m in self.policy.models.values()}
-        await assert_topology(self.settings.kafka_bootstrap, [self.topology.dispatch(p, t) for p in sorted(pools) for t in TIERS])
+        wanted = [self.topology.edge_presence, *(self.topology.dispatch(p, t) for p in sorted(pools) for t in TIERS)]
+        await assert_topology(self.settings.kafka_bootstrap, wanted)
 
 
 CLIENT_LOGGERS = ("aiokafka", "faust", "mode")

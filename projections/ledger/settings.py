@@ -55,5 +55,15 @@ class ProcessorSettings:
     # crashed processor decided but did not make durable (projections/ledger/read_stamps.py); at least
     # twice the pending bound above, since those decisions are all at the end of the partition.
     stamp_recall_entries_max: int = setting("CHATPLANE_PROCESSOR_STAMP_RECALL_ENTRIES_MAX", 5_000, ge=0)
+    # Edge liveness (projections/ledger/presence.py): an edge unheard for this long (or three of its
+    # presence intervals, if longer) is lost, and the generations it was reading are detached; a
+    # detached generation no reader reattaches to within the grace is cancelled (reason edge_lost).
+    edge_lease_ms: int = setting("CHATPLANE_EDGE_PRESENCE_LEASE_MS", 3_000, ge=100)
+    edge_lost_grace_ms: int = setting("CHATPLANE_EDGE_LOST_GRACE_MS", 5_000, ge=0, le=3_600_000)
+    # Edges the presence view remembers, and users whose readers the timer watches (beyond these, the
+    # least recently heard edge is forgotten, and readers of users past the bound go unwatched: their
+    # generations still end by their own deadlines).
+    edges_tracked_max: int = setting("CHATPLANE_PROCESSOR_EDGES_TRACKED_MAX", 10_000, ge=1)
+    readers_tracked_max: int = setting("CHATPLANE_PROCESSOR_READERS_TRACKED_MAX", 1_000_000, ge=1)
     data_dir: str = setting("CHATPLANE_DATA_DIR", "var/processor")
     policy: Policy = field(default_factory=policy_from_env)

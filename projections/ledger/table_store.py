@@ -9,7 +9,7 @@ that the hot value, written on every command, names a bounded number of index ch
 records the user holds (up to ``Policy.dedup_records_per_user_max``, 32,768):
 
     table ``user_to_ledger``
-      <user_id>                                  -> 8-byte next deadline + hot JSON
+      <user_id>                                  -> 8-byte next deadline + readers + hot JSON
           {"layout": 3, "v": codec version, "ledger": the ledger without settled records (and
            without their usage), "recent": remembered decisions, "offset": applied offset,
            "chunks": {purge bucket: chunk revision}}
@@ -18,6 +18,12 @@ records the user holds (up to ``Policy.dedup_records_per_user_max``, 32,768):
       NUL + FF FF + >H len(user) + user + purge bucket + NUL + revision
                                                  -> {idem key: revision} of the settled records whose
                                                     purge time falls in the bucket (``CHUNK_MS`` wide)
+
+The readers section names the edges whose liveness the processor watches for this user (the
+readers of its active generations, ``control_plane.decide.attached_readers``), so that a rescan
+after a rebalance rebuilds that index without decoding any JSON: 0x01, a count byte, then per reader
+a length byte and its id. It is absent (the JSON's ``{`` follows the deadline) when there are none,
+and in values written before it existed.
 
 A purge bucket spans ``CHUNK_MS`` (10 minutes) of purge times, so the hot value names at most
 retention / ``CHUNK_MS`` + 1 chunks (145 for 24 h), and a command rewrites only the chunks whose
@@ -46,7 +52,7 @@ import orjson
 
 from control_plane.aggregate import Aggregate, Remembered
 from control_plane.codec import STATE_CODEC_VERSION, load_aggregate, load_ledger, load_record
-from control_plane.decide import next_deadline_ms, purge_at_ms
+from control_plane.decide import attached_readers, next_deadline_ms, purge_at_ms
 from control_plane.policy import Policy
 from control_plane.state import RequestRecord, UsageEntry, UserLedger
 
@@ -60,6 +66,10 @@ SETTLED_PREFIX = b"\x00"
 # A user id is at most 128 characters (512 bytes), so no settled entry's length field is FF FF.
 _CHUNK_MARK = b"\xff\xff"
 _OPTIONS = orjson.OPT_NON_STR_KEYS
+_READERS_MARK = 0x01
+# Readers a hot value names at most (a count byte); a user's active generations are far fewer (its
+# concurrency limit plus its queued work), and a reader id is at most 64 bytes (ReaderId).
+READERS_NAMED_MAX = 255
 
 
 def settled_key(user_id: str, idempotency_key: str, revision: int) -> bytes:
@@ -96,6 +106,33 @@ def bucket_of(purge_at_ms: int) -> int:
 def unpack_deadline(value: bytes) -> int | None:
     (deadline,) = _DEADLINE.unpack_from(value)
     return deadline or None
+
+
+def pack_readers(readers: frozenset[str]) -> bytes:
+    if not readers:
+        return b""
+    names = sorted(readers)[:READERS_NAMED_MAX]
+    out = bytearray((_READERS_MARK, len(names)))
+    for name in names:
+        raw = name.encode()[:255]
+        out.append(len(raw))
+        out += raw
+    return bytes(out)
+
+
+def unpack_readers(value: bytes) -> tuple[frozenset[str], int]:
+    """The readers a hot value names, and where its JSON starts."""
+    at = _DEADLINE.size
+    if len(value) <= at or value[at] != _READERS_MARK:
+        return frozenset(), at
+    count = value[at + 1]
+    at += 2
+    names = []
+    for _ in range(count):
+        n = value[at]
+        names.append(value[at + 1 : at + 1 + n].decode())
+        at += 1 + n
+    return frozenset(names), at
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +180,7 @@ class TableWrites:
     deletes: list[bytes]  # superseded or purged settled entries and chunks, after the hot value
     layout: Layout
     deadline_ms: int | None  # = control_plane.decide.next_deadline_ms of the whole ledger
+    readers: frozenset[str] = frozenset()  # = control_plane.decide.attached_readers
 
 
 def _generation_of(usage_key: str) -> str:
@@ -272,13 +310,15 @@ def plan(aggregate: Aggregate, layout: Layout, policy: Policy) -> TableWrites:
         "offset": aggregate.source_offset,
         "chunks": orjson.Fragment(index),
     }
-    puts.append((user.encode(), _DEADLINE.pack(deadline or 0) + orjson.dumps(doc, option=_OPTIONS)))
-    return TableWrites(puts, deletes, Layout(settled, usage, hot_usage, chunks, index, min_purge), deadline)
+    readers = attached_readers(hot)
+    value = _DEADLINE.pack(deadline or 0) + pack_readers(readers) + orjson.dumps(doc, option=_OPTIONS)
+    puts.append((user.encode(), value))
+    return TableWrites(puts, deletes, Layout(settled, usage, hot_usage, chunks, index, min_purge), deadline, readers)
 
 
 def join(value: bytes, read: Callable[[bytes], bytes | None], policy: Policy) -> tuple[Aggregate, Layout]:
     """The aggregate stored as ``value`` (a user's hot value), reading its chunks and settled entries."""
-    body = memoryview(value)[_DEADLINE.size :]
+    body = memoryview(value)[unpack_readers(value)[1] :]
     doc = orjson.loads(body)
     layout_version = doc.get("layout")
     if layout_version not in (LAYOUT, LAYOUT_NAMING_EVERY_ENTRY):
@@ -355,6 +395,7 @@ __all__ = [
     "plan",
     "settled_key",
     "unpack_deadline",
+    "unpack_readers",
     "user_of_settled_key",
     "write_all",
 ]

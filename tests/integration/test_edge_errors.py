@@ -191,7 +191,7 @@ async def test_non_streaming_client_disconnect_cancels_after_the_grace(kafka_boo
                 break
             await asyncio.sleep(POLL_S)
         assert [o.value for o in worker.finished.values()] == ["stopped"]
-        assert e.app.state.edge.metrics.disconnect_cancels._value.get() == 1
+        assert e.app.state.edge.metrics.readers_detached._value.get() == 1
     assert [c.reason.value for c in await ledger_events(kafka_bootstrap, topology, CancelRequested)] == ["client_disconnect"]
 
 

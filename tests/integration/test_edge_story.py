@@ -102,7 +102,7 @@ async def test_heartbeats_while_idle_and_client_disconnect_cancels_after_grace(k
             await asyncio.sleep(0.05)
         assert got["status"] == "cancelled" and got["partial"] is True
         assert worker.finished[gid].value == "stopped"
-        assert e.app.state.edge.metrics.disconnect_cancels._value.get() == 1
+        assert e.app.state.edge.metrics.readers_detached._value.get() == 1
     reasons = []
     for _p, _o, _k, value in await read_topic(kafka_bootstrap, topology.ledger):
         reasons += [x.reason.value for x in decode_ledger_entry(value).events if isinstance(x, CancelRequested)]

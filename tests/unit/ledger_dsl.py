@@ -100,6 +100,14 @@ class Ledger:
     def cancel(self, generation_id: str, **over: Any) -> Decision:
         return self.run(cmd.CancelGeneration(**self._base(generation_id=generation_id, **over)))
 
+    def detach(self, generation_id: str, reader: str = "", grace_ms: int = 5_000, **over: Any) -> Decision:
+        return self.run(
+            cmd.DetachReader(**self._base(generation_id=generation_id, reader_id=reader, grace_ms=grace_ms, **over))
+        )
+
+    def attach(self, generation_id: str, reader: str) -> Decision:
+        return self.run(cmd.AttachReader(**self._base(generation_id=generation_id, reader_id=reader)))
+
     def report(
         self,
         generation_id: str,

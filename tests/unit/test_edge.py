@@ -732,7 +732,7 @@ async def test_metrics_name_every_issue_signal_with_admission_codes_apart():
         "chatplane_edge_active_streams",
         "chatplane_edge_buffered_bytes",
         "chatplane_edge_slow_consumer_cancels_total",
-        "chatplane_edge_disconnect_cancels_total",
+        "chatplane_edge_readers_detached_total",
         "chatplane_edge_unhandled_errors_total",
     ):
         assert f"\n{name}" in text, name

@@ -34,11 +34,13 @@ def test_recorded_v1_ledger_replays_through_the_auditor_with_no_violation():
     ]
 
 
-def test_v1_generation_admitted_is_upcast_with_its_window_end():
+def test_v1_generation_admitted_is_upcast_with_its_window_end_and_no_reader():
     first = decode_ledger_entry(RECORDED_V1.read_bytes().splitlines()[0])
     admitted = first.events[0]
-    assert isinstance(admitted, GenerationAdmitted) and admitted.schema_version == 2
+    assert isinstance(admitted, GenerationAdmitted) and admitted.schema_version == 3
     assert admitted.window_end_ms == admitted.window_start_ms + 3 * 3600 * 1000
+    # v3 names the reader's edge; nothing recorded before it named one (never detached by an edge's death).
+    assert admitted.reader_id == ""
 
 
 def test_a_version_from_the_future_is_refused_with_a_reason():
