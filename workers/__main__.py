@@ -110,6 +110,10 @@ def build_result_sink(settings: WorkerSettings) -> ResultSink:
         attempts_max=settings.result_put_attempts_max,
         backoff_s=settings.result_put_backoff_s,
         deadline_s=settings.result_put_deadline_s,
+        pending_max=settings.result_pending_max,
+        pending_bytes_max=settings.result_pending_bytes_max,
+        pending_age_max_s=settings.result_pending_age_max_s,
+        retry_interval_s=settings.result_retry_interval_s,
     )
 
 

@@ -18,12 +18,17 @@ Failure behaviour (bounded, typed, never hangs the worker):
   apart, each write bounded by ``deadline / attempts``, all inside one budget of
   ``settings.result_put_deadline_s`` (default 4 s, under the 10 s lease minus the 3 s renewal
   interval: the lease renewer has stopped by then). The budget covers the lazy open too.
-* When the budget or the attempts run out (or the text is over ``RESULT_TEXT_BYTES_MAX``), ``put``
-  returns without raising; the outcome is counted (``not_stored``) and logged without the text. The
-  worker then reports the completion anyway: the client that streamed already has its text, and the
-  ledger's record of what happened must not depend on the content store. A later same-key retry of
-  that generation finds no stored row and is answered 410 ``result_unavailable`` exactly as after the
-  TTL; inference is never rerun for it.
+* When the budget or the attempts run out, ``put`` returns without raising: the worker reports the
+  completion anyway (the client that streamed already has its text, and the ledger's record of what
+  happened must not depend on the content store). The result is kept for a later write: a background
+  task writes the held results, oldest first, every ``retry_interval_s`` until each is stored or held
+  longer than ``pending_age_max_s``. What is held is bounded by ``pending_max`` results and
+  ``pending_bytes_max`` bytes of text; beyond either the oldest is given up. A result given up (or
+  over ``RESULT_TEXT_BYTES_MAX``, or held when the worker stops) is counted (``not_stored``) and logged
+  without its text; a same-key retry of that generation is answered 410 ``result_unavailable``
+  exactly as after the TTL, and inference is never rerun for it. Until a held result is written, a
+  retry gets that 410 too (the chaos run found 31 completed results lost to a 10-second Cassandra
+  restart before the later write existed).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +53,9 @@ RESULT_REOPEN_INTERVAL_S = 5.0  # a failed lazy open is retried no more often th
 @dataclass
 class ResultSinkStats:
     stored: int = 0
-    not_stored: int = 0  # attempts or budget ran out: completion reported, a retry gets result_unavailable
+    stored_later: int = 0  # of ``stored``: written by the later write, after put's budget ran out
+    not_stored: int = 0  # given up (held too long, over the bounds, or held at stop): a retry gets result_unavailable
+    held: int = 0  # waiting for the later write now
     too_large: int = 0
     last_error: str | None = None  # the exception's type name only (never the text)
 
@@ -64,9 +72,21 @@ class CassandraResultSink:
         deadline_s: float = 4.0,
         reopen_interval_s: float = RESULT_REOPEN_INTERVAL_S,
         opener: Callable[[], Awaitable[Any]] | None = None,
+        pending_max: int = 1_000,
+        pending_bytes_max: int = 16 * 1024 * 1024,
+        pending_age_max_s: float = 600.0,
+        retry_interval_s: float = 2.0,
     ) -> None:
         if attempts_max < 1 or deadline_s <= 0 or backoff_s < 0:
             raise ValueError("need attempts_max >= 1, deadline_s > 0, backoff_s >= 0")
+        if pending_max < 0 or pending_bytes_max < 0 or pending_age_max_s < 0 or retry_interval_s <= 0:
+            raise ValueError("need pending_max, pending_bytes_max, pending_age_max_s >= 0 and retry_interval_s > 0")
+        # Results whose put ran out of budget, oldest first: (generation, epoch) -> (text, usage, held since).
+        self.pending_max, self.pending_bytes_max = pending_max, pending_bytes_max
+        self.pending_age_max_s, self.retry_interval_s = pending_age_max_s, retry_interval_s
+        self._pending: OrderedDict[tuple[str, int], tuple[str, tuple[int, int], float]] = OrderedDict()
+        self._pending_bytes = 0
+        self._retrying: asyncio.Task[None] | None = None
         self._settings = settings
         # How the store is opened (tests pass a fake); by default CassandraResultStore.open(settings).
         self._opener = opener or (lambda: CassandraResultStore.open(self._settings or ReadModelSettings()))
@@ -126,14 +146,63 @@ class CassandraResultSink:
                             await asyncio.sleep(self.backoff_s)
         except TimeoutError:
             pass
-        self.stats.not_stored += 1
         log.warning(
             "result of %s epoch %d not stored (%s, %d attempts max, %.1f s budget): completion reported "
-            "anyway; a same-key retry answers result_unavailable", generation_id, epoch, error,
-            self.attempts_max, self.deadline_s,
+            "anyway; held for a later write", generation_id, epoch, error, self.attempts_max, self.deadline_s,
         )
+        self._hold(generation_id, epoch, text, usage)
+
+    def _hold(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> None:
+        size = len(text.encode())
+        self._pending[(generation_id, epoch)] = (text, usage, time.monotonic())
+        self._pending_bytes += size
+        while self._pending and (len(self._pending) > self.pending_max or self._pending_bytes > self.pending_bytes_max):
+            self._give_up(next(iter(self._pending)), "the held results are over their bounds")
+        self.stats.held = len(self._pending)
+        if self._pending and (self._retrying is None or self._retrying.done()):
+            self._retrying = asyncio.create_task(self._write_later(), name="result-sink-later")
+
+    def _give_up(self, key: tuple[str, int], why: str) -> None:
+        text, _, _ = self._pending.pop(key)
+        self._pending_bytes -= len(text.encode())
+        self.stats.not_stored += 1
+        self.stats.held = len(self._pending)
+        log.warning("result of %s epoch %d given up (%s): a same-key retry answers result_unavailable", key[0], key[1], why)
+
+    async def _write_later(self) -> None:
+        """Write the held results, oldest first, until none is left; one pass per retry interval."""
+        while self._pending:
+            await asyncio.sleep(self.retry_interval_s)
+            for key in list(self._pending):
+                if key not in self._pending:
+                    continue
+                text, usage, since = self._pending[key]
+                if time.monotonic() - since > self.pending_age_max_s:
+                    self._give_up(key, f"held over {self.pending_age_max_s:.0f} s")
+                    continue
+                try:
+                    store = await asyncio.wait_for(self._get_store(), self.deadline_s)
+                    await store.put(key[0], key[1], text, usage, timeout_s=self.deadline_s / self.attempts_max)
+                except ResultTooLarge:
+                    self._give_up(key, "over the size limit")
+                    continue
+                except Exception as exc:  # noqa: BLE001 - still down: the next pass tries again
+                    self.stats.last_error = type(exc).__name__
+                    break
+                self._pending.pop(key)
+                self._pending_bytes -= len(text.encode())
+                self.stats.stored += 1
+                self.stats.stored_later += 1
+                self.stats.held = len(self._pending)
+                log.info("result of %s epoch %d stored by the later write", key[0], key[1])
 
     async def close(self) -> None:
+        if self._retrying is not None:
+            self._retrying.cancel()
+            with contextlib.suppress(BaseException):
+                await self._retrying
+        for key in list(self._pending):
+            self._give_up(key, "the worker stopped")
         if self._opening is not None:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(self._opening), self.deadline_s)

@@ -72,6 +72,12 @@ class WorkerSettings:
     result_put_attempts_max: int = setting("CHATPLANE_WORKER_RESULT_PUT_ATTEMPTS_MAX", 3, ge=1)
     result_put_backoff_s: float = setting("CHATPLANE_WORKER_RESULT_PUT_BACKOFF_S", 0.2, ge=0)
     result_put_deadline_s: float = setting("CHATPLANE_WORKER_RESULT_PUT_DEADLINE_S", 4.0, gt=0)
+    # Results whose put ran out of budget are held for a later write (workers/result_sink.py): at most
+    # this many, this many bytes of text, this long; the later write passes once per interval.
+    result_pending_max: int = setting("CHATPLANE_WORKER_RESULT_PENDING_MAX", 1_000, ge=0)
+    result_pending_bytes_max: int = setting("CHATPLANE_WORKER_RESULT_PENDING_BYTES_MAX", 16 * 1024 * 1024, ge=0)
+    result_pending_age_max_s: float = setting("CHATPLANE_WORKER_RESULT_PENDING_AGE_MAX_S", 600.0, ge=0)
+    result_retry_interval_s: float = setting("CHATPLANE_WORKER_RESULT_RETRY_INTERVAL_S", 2.0, gt=0)
     max_output_tokens_max: int = setting("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", 4096, ge=1)
     # AttemptTraces kept in Worker.traces (the newest; for tests and benchmarks): one per attempt would
     # grow without end at thousands of attempts per second, so python -m workers keeps none.

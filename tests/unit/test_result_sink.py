@@ -70,14 +70,16 @@ async def test_gives_up_after_attempts_without_raising():
     sink = CassandraResultSink(attempts_max=3, backoff_s=0.0, opener=opener_for(store, opens))
     await sink.put("g", 1, "t", (1, 1))  # does not raise: the worker reports completion anyway
     assert len(store.calls) == 3
-    assert (sink.stats.stored, sink.stats.not_stored, sink.stats.last_error) == (0, 1, "ConnectionError")
+    assert (sink.stats.stored, sink.stats.held, sink.stats.last_error) == (0, 1, "ConnectionError")
+    await sink.close()  # a result still held when the worker stops is given up
+    assert (sink.stats.held, sink.stats.not_stored) == (0, 1)
 
 
 async def test_a_hung_store_is_bounded_by_the_budget():
     store, opens = FakeStore(hang=True), []
     sink = CassandraResultSink(attempts_max=2, backoff_s=0.0, deadline_s=0.2, opener=opener_for(store, opens))
     await asyncio.wait_for(sink.put("g", 1, "t", (1, 1)), 30)  # the guard turns a hang into a failure
-    assert sink.stats.not_stored == 1
+    assert sink.stats.held == 1 and sink.stats.stored == 0
     assert store.calls and all(c[4] == pytest.approx(0.1) for c in store.calls)  # each write gets deadline / attempts
 
 
@@ -92,7 +94,7 @@ async def test_a_hung_open_is_bounded_and_reused():
 
     sink = CassandraResultSink(deadline_s=0.1, opener=slow_open)
     await sink.put("g1", 1, "t", (1, 1))
-    assert sink.stats.not_stored == 1 and store.calls == []
+    assert sink.stats.held == 1 and store.calls == []
     gate.set()
     await sink.put("g2", 1, "t", (1, 1))  # the same open, finished meanwhile: no second connection
     assert opens == [1] and sink.stats.stored == 1
@@ -104,7 +106,7 @@ async def test_failed_open_is_throttled():
                                opener=opener_for(store, opens, fail_opens=1))
     await sink.put("g", 1, "t", (1, 1))
     assert opens == [1]  # the 2nd and 3rd attempts did not reconnect within reopen_interval_s
-    assert sink.stats.not_stored == 1
+    assert sink.stats.held == 1
     sink.reopen_interval_s = 0.0
     await sink.put("g", 1, "t", (1, 1))
     assert opens == [1, 1] and sink.stats.stored == 1
@@ -115,6 +117,41 @@ async def test_too_large_is_not_retried():
     sink = CassandraResultSink(opener=opener_for(store, opens))
     await sink.put("g", 1, "x", (1, 1))
     assert len(store.calls) == 1 and sink.stats.too_large == 1 and sink.stats.not_stored == 0
+
+
+async def test_a_result_put_could_not_store_is_written_later_once_the_store_is_back():
+    store, opens = FakeStore(fail_first=3), []
+    sink = CassandraResultSink(attempts_max=3, backoff_s=0.0, retry_interval_s=0.01, opener=opener_for(store, opens))
+    await sink.put("g", 1, "the text", (2, 3))
+    assert sink.stats.held == 1 and sink.stats.stored == 0
+    for _ in range(500):
+        if sink.stats.stored:
+            break
+        await asyncio.sleep(0.01)
+    assert (sink.stats.stored, sink.stats.stored_later, sink.stats.held, sink.stats.not_stored) == (1, 1, 0, 0)
+    assert store.calls[-1][:4] == ("g", 1, "the text", (2, 3))
+    await sink.close()
+
+
+async def test_held_results_are_bounded_by_count_bytes_and_age():
+    store, opens = FakeStore(fail_first=10**6), []
+    sink = CassandraResultSink(attempts_max=1, backoff_s=0.0, retry_interval_s=60.0, pending_max=2,
+                               pending_bytes_max=10, opener=opener_for(store, opens))
+    for i in range(3):
+        await sink.put(f"g{i}", 1, "abc", (1, 1))
+    assert (sink.stats.held, sink.stats.not_stored) == (2, 1)  # the oldest gave way
+    await sink.put("g3", 1, "x" * 8, (1, 1))  # 3 + 3 + 8 bytes > 10: the oldest go until it fits
+    assert (sink.stats.held, sink.stats.not_stored) == (1, 3)
+    aged = CassandraResultSink(attempts_max=1, backoff_s=0.0, retry_interval_s=0.01, pending_age_max_s=0.0,
+                               opener=opener_for(FakeStore(fail_first=10**6), []))
+    await aged.put("old", 1, "t", (1, 1))
+    for _ in range(500):
+        if aged.stats.not_stored:
+            break
+        await asyncio.sleep(0.01)
+    assert (aged.stats.held, aged.stats.not_stored) == (0, 1)
+    await sink.close()
+    await aged.close()
 
 
 def test_settings_select_the_sink(monkeypatch):

@@ -1,0 +1,659 @@
+"""The seeded chaos run (issue 13): the whole stack under a steady mixed load and a schedule of faults,
+ending in an audit of everything the clients saw against the ledger.
+
+    python -m tests.chaos.chaos --seed 7 --duration-s 600          # the 10-minute local run
+    python -m tests.chaos.chaos --seed 7 --duration-s 150 --slot-s 12   # about what CI runs (tests/chaos/test_chaos.py)
+
+The stack (bench/stackrun.py): its own Kafka broker and Cassandra node on private ports, two admission
+processors, two ``sim`` workers, two edges, one read-model projection, each its real entry point as
+``make up`` starts it. The load: client loops over HTTP against both edges (streams read to the end,
+non-streams, cancels after the first words, same-key retries from a second client on the other edge,
+client disconnects mid-stream, slow SSE readers, users that exhaust their quota). The faults, in an
+order and at offsets drawn from the seed: kill -9 and restart of every component, a restart of the
+broker and of Cassandra, a worker that stalls (SIGSTOP for a while). At the end the load stops, the
+stack settles, the processors stop, and the checks run:
+
+* ``projections.ledger.audit`` over the whole ledger (and the processors' table): no violation, no
+  double consume, no reservation RESERVED past its deadline, no slot held by a finished generation;
+* every generation a client saw admitted is settled in GET (one terminal state, or
+  ``admission_retryable``, which holds nothing) and the ledger agrees: one terminal event, and its
+  message consumed exactly once when an attempt was accepted, never otherwise;
+* no client saw an untyped error or a 5xx outside the typed ones; every stream ended in exactly one
+  terminal event, or in EOF only where its edge was killed; a connection broke only on a killed edge;
+* no engine kept working for a client that was gone: a generation whose edge died ended within the
+  edge lease + lost-edge grace + ``ORPHAN_BOUND_MS``; one whose client hung up within the disconnect
+  grace + ``ORPHAN_BOUND_MS``;
+* same-key retries from two clients named one generation.
+
+The seed, the fault schedule (planned, and as it ran) and the figures are printed; the same seed
+gives the same schedule (the load's timing, and so its exact counts, vary from run to run). Exit
+status 0 only when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.stackrun import Stack  # noqa: E402
+from control_plane.invariants import check_state  # noqa: E402
+from control_plane.policy import Policy  # noqa: E402
+from projections.ledger.audit import audit  # noqa: E402
+from projections.shared.topic_reader import read_topic  # noqa: E402
+from schemas import events as ev  # noqa: E402
+from schemas.codes import RejectionCode, ReservationState  # noqa: E402
+from schemas.wire import decode_ledger_entry  # noqa: E402
+
+MODEL = "simulated-text-model"
+# Timing of the stack under test (the product's defaults unless named here).
+EDGE_LEASE_MS = 3_000  # CHATPLANE_EDGE_PRESENCE_LEASE_MS (default)
+EDGE_LOST_GRACE_MS = 5_000  # CHATPLANE_EDGE_LOST_GRACE_MS (default)
+DISCONNECT_GRACE_MS = 5_000  # CHATPLANE_EDGE_DISCONNECT_GRACE_S (default)
+# What ending an orphan may take beyond its grace: a timer tick to notice, the cancel's decision,
+# the stop reaching the worker, the engine stopping between two tokens, the report's decision; and
+# a fault of the schedule that lands meanwhile (a processor's partitions move in a rebalance, about
+# one session timeout).
+ORPHAN_BOUND_MS = 15_000
+SIM_ENV = {"CHATPLANE_SIM_TTFT_MS": 60, "CHATPLANE_SIM_INTER_TOKEN_MS": 20, "CHATPLANE_SIM_JITTER_MS": 5,
+           "CHATPLANE_SIM_OUTPUT_TOKENS": 5_000}
+OUTPUT_TOKENS = (8, 16, 32, 64, 128, 300)  # 20 ms a token: up to 6 s of output
+# Streams that outlive an edge kill or a hang-up: 30 s of output, longer than any grace plus
+# ORPHAN_BOUND_MS, so an orphan left running shows as one that ended too late.
+LONG_OUTPUT_TOKENS = 1_500
+HTTP_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 3.0
+THINK_S = (0.1, 0.8)
+REQUESTS_PER_USER = 12  # a loop moves to a fresh user before the burst bucket or the quota binds
+HEAVY_USER_REQUESTS = 48  # > the free tier's 40 messages: the last ones are quota_exhausted
+SLOW_READ_PAUSE_S = 0.3  # a slow SSE reader pauses this long after each chunk it reads
+SLOW_READER_TOKENS = 128  # about 50 deltas: some 15 s of slow reading
+SETTLE_TIMEOUT_S = 240.0
+LOAD_DRAIN_S = 60.0  # after the load stops, for the calls in flight to end
+RESULT_LATER_WAIT_S = 30.0  # for results held by a worker while Cassandra was down
+FAULT_DOWN_S = (2.0, 5.0)  # a killed component stays down this long before its restart
+SERVER_DOWN_S = (3.0, 8.0)
+STALL_S = (6.0, 12.0)
+TERMINAL_SSE = ("generation.completed", "generation.cancelled", "generation.error")
+SETTLED = {"completed", "cancelled", "failed", "admission_retryable"}
+TYPED_CODES = {c.value for c in RejectionCode}
+# 5xx answers the seed types (section 5): anything else with a 5xx status is a defect.
+TYPED_5XX = {"quota_service_unavailable", "capacity_exhausted", "model_backend_error", "generation_timeout"}
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# ------------------------------------------------------------------------------------------------
+# the fault schedule
+
+
+@dataclass
+class Fault:
+    at_s: float  # planned offset from the start of the load
+    kind: str  # kill9 | stall | restart_kafka | restart_cassandra
+    target: str
+    down_s: float
+    started_ms: int = 0
+    ended_ms: int = 0
+    note: str = ""
+
+
+def plan_faults(seed: int, duration_s: float, components: list[str], slot_s: float) -> list[Fault]:
+    """One round = every fault kind once, in a seeded order; as many rounds as fit in the run."""
+    rng = random.Random(seed)
+    kinds = [("kill9", c) for c in components] + [("restart_kafka", "kafka"), ("restart_cassandra", "cassandra")]
+    kinds += [("stall", w) for w in components if w.startswith("worker-")][:1]
+    faults: list[Fault] = []
+    t = slot_s / 2
+    while t < duration_s - slot_s / 2:
+        round_ = kinds[:]
+        rng.shuffle(round_)
+        for kind, target in round_:
+            if t >= duration_s - slot_s / 2:
+                break
+            if kind == "kill9":
+                down = rng.uniform(*FAULT_DOWN_S)
+            elif kind == "stall":
+                down = rng.uniform(*STALL_S)
+            else:
+                down = rng.uniform(*SERVER_DOWN_S)
+            faults.append(Fault(round(t + rng.uniform(0, slot_s / 4), 1), kind, target, round(down, 1)))
+            t += slot_s
+    return faults
+
+
+class Injector:
+    """Runs the schedule against the stack, one fault at a time (the next waits for the last to heal)."""
+
+    def __init__(self, stack: Stack, faults: list[Fault]) -> None:
+        self.stack, self.faults = stack, faults
+        self.down: dict[str, list[tuple[int, int]]] = {}  # edge name -> [(killed_ms, back_ms)]
+
+    def edge_killed_between(self, edge: str, t0_ms: int, t1_ms: int) -> int | None:
+        for killed, back in self.down.get(edge, []):
+            if killed <= t1_ms and (back == 0 or back >= t0_ms):
+                return killed
+        return None
+
+    async def run(self, t0: float) -> None:
+        for f in self.faults:
+            await asyncio.sleep(max(0.0, t0 + f.at_s - time.monotonic()))
+            f.started_ms = now_ms()
+            print(f"[chaos] {time.monotonic() - t0:6.1f}s fault {f.kind} {f.target} ({f.down_s} s)", flush=True)
+            try:
+                await self._inject(f)
+            except Exception as exc:  # noqa: BLE001 - recorded; the checks decide
+                f.note = f"injection failed: {exc!r}"[:300]
+                print(f"[chaos] {f.note}", flush=True)
+            f.ended_ms = now_ms()
+
+    async def _inject(self, f: Fault) -> None:
+        s = self.stack
+        if f.kind == "kill9":
+            s.kill(f.target)
+            if f.target.startswith("edge-"):
+                self.down.setdefault(f.target, []).append((f.started_ms, 0))
+            await asyncio.sleep(f.down_s)
+            s.components[f.target].start()
+            await s.wait_ready(f.target)
+            if f.target.startswith("edge-"):
+                killed, _ = self.down[f.target][-1]
+                self.down[f.target][-1] = (killed, now_ms())
+        elif f.kind == "stall":
+            s.pause(f.target)
+            await asyncio.sleep(f.down_s)
+            s.resume(f.target)
+        else:
+            server = f.kind.removeprefix("restart_")
+            await asyncio.to_thread(s.stop_server, server)
+            await asyncio.sleep(f.down_s)
+            t = time.monotonic()
+            await asyncio.to_thread(s.start_server, server)
+            f.note = f"ready {time.monotonic() - t:.1f} s after its start"
+
+
+# ------------------------------------------------------------------------------------------------
+# the load
+
+
+@dataclass
+class Outcome:
+    kind: str  # stream | nonstream | cancel | disconnect | slow | retry_a | retry_b | heavy
+    user: str
+    key: str
+    edge: str
+    started_ms: int
+    ended_ms: int = 0
+    status: int = 0
+    code: str = ""  # typed error code, or "" for 2xx
+    generation_id: str = ""
+    events: list[str] = field(default_factory=list)  # SSE event names in order
+    ending: str = ""  # stream: terminal event name | eof | hung_up | -; transport failure: connect | broken
+    hung_up_ms: int = 0  # when the client closed its stream on purpose
+
+
+def sse_events(raw: bytes) -> list[str]:
+    return [line[7:].strip() for line in raw.decode(errors="replace").split("\n") if line.startswith("event: ")]
+
+
+def generation_of(raw: bytes) -> str:
+    marker = b'"generation_id":"'
+    if marker in raw:
+        return raw.split(marker, 1)[1].split(b'"', 1)[0].decode()
+    return ""
+
+
+class Load:
+    def __init__(self, stack: Stack, seed: int, loops: int, heavy_loops: int) -> None:
+        self.stack, self.seed = stack, seed
+        self.loops, self.heavy_loops = loops, heavy_loops
+        self.outcomes: list[Outcome] = []
+        self.side_tasks: set[asyncio.Task[None]] = set()
+        self.stopping = asyncio.Event()
+        self.run_id = uuid.uuid4().hex[:6]
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+        timeout = httpx.Timeout(HTTP_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+        self.http = [httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) for url in stack.edge_urls]
+        self.edges = [f"edge-{i + 1}" for i in range(len(self.http))]
+
+    async def close(self) -> None:
+        for h in self.http:
+            await h.aclose()
+
+    def headers(self, user: str, key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.stack.token(user)}", "Idempotency-Key": key}
+
+    def body(self, rng: random.Random, stream: bool, tokens: int | None = None) -> dict[str, Any]:
+        return {"model": MODEL, "stream": stream, "max_output_tokens": tokens or rng.choice(OUTPUT_TOKENS),
+                "messages": [{"role": "user", "content": f"Chaos prompt {rng.randrange(10**6)}."}]}
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(self._loop(i)) for i in range(self.loops)]
+        tasks += [asyncio.create_task(self._heavy(i)) for i in range(self.heavy_loops)]
+        await self.stopping.wait()
+        # Each loop ends after its call in flight; a call still running after LOAD_DRAIN_S is given
+        # up (a stream: recorded as the client hanging up, and checked like one).
+        _, late = await asyncio.wait(tasks, timeout=LOAD_DRAIN_S)
+        for t in late:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self.side_tasks, return_exceptions=True)
+
+    async def _loop(self, n: int) -> None:
+        rng = random.Random(self.seed * 1_000 + n)
+        count = 0
+        user = ""
+        while not self.stopping.is_set():
+            if count % REQUESTS_PER_USER == 0:
+                user = f"u{self.run_id}-{n}-{count // REQUESTS_PER_USER}"
+            count += 1
+            key = uuid.uuid4().hex
+            e = rng.randrange(len(self.http))
+            r = rng.random()
+            if r < 0.30:
+                await self._stream(rng, "stream", user, key, e)
+            elif r < 0.50:
+                await self._nonstream(rng, "nonstream", user, key, e, self.body(rng, False))
+            elif r < 0.62:
+                await self._stream(rng, "cancel", user, key, e)
+            elif r < 0.72:
+                await self._stream(rng, "disconnect", user, key, e)
+            elif r < 0.80:
+                await self._stream(rng, "slow", user, key, e)
+            elif r < 0.90:
+                await self._stream(rng, "long", user, key, e, tokens=LONG_OUTPUT_TOKENS)
+            else:
+                body = self.body(rng, False)
+                other = (e + 1) % len(self.http)
+                await asyncio.gather(self._nonstream(rng, "retry_a", user, key, e, body),
+                                     self._nonstream(rng, "retry_b", user, key, other, body, delay_s=0.3))
+            await asyncio.sleep(rng.uniform(*THINK_S))
+
+    async def _heavy(self, n: int) -> None:
+        """A user that spends its whole quota and then some: the last requests are quota_exhausted."""
+        rng = random.Random(self.seed * 1_000 + 500 + n)
+        round_ = 0
+        while not self.stopping.is_set():
+            user = f"h{self.run_id}-{n}-{round_}"
+            round_ += 1
+            for _ in range(HEAVY_USER_REQUESTS):
+                if self.stopping.is_set():
+                    return
+                await self._nonstream(rng, "heavy", user, uuid.uuid4().hex, rng.randrange(len(self.http)),
+                                      self.body(rng, False, tokens=8))
+                await asyncio.sleep(rng.uniform(0.0, 0.2))
+
+    def _record(self, o: Outcome, resp: httpx.Response | None, raw: bytes) -> None:
+        o.ended_ms = now_ms()
+        if resp is not None:
+            o.status = resp.status_code
+            if resp.status_code >= 400:
+                try:
+                    o.code = str(json.loads(raw)["error"]["code"])
+                except (ValueError, KeyError, TypeError):
+                    o.code = "<untyped>"
+            o.generation_id = o.generation_id or generation_of(raw) or self._doc_id(raw)
+        self.outcomes.append(o)
+
+    @staticmethod
+    def _doc_id(raw: bytes) -> str:
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return ""
+        return str(doc.get("id", "")) if isinstance(doc, dict) else ""
+
+    async def _nonstream(self, rng: random.Random, kind: str, user: str, key: str, e: int, body: dict[str, Any],
+                         delay_s: float = 0.0) -> None:
+        await asyncio.sleep(delay_s)
+        o = Outcome(kind, user, key, self.edges[e], now_ms())
+        try:
+            resp = await self.http[e].post("/v1/generations", json=body, headers=self.headers(user, key))
+        except httpx.ConnectError:
+            o.ending = "connect"
+            self._record(o, None, b"")
+            return
+        except httpx.TransportError:
+            o.ending = "broken"
+            self._record(o, None, b"")
+            return
+        self._record(o, resp, resp.content)
+
+    async def _stream(self, rng: random.Random, kind: str, user: str, key: str, e: int, tokens: int | None = None) -> None:
+        o = Outcome(kind, user, key, self.edges[e], now_ms())
+        http = self.http[e]
+        if kind == "disconnect":
+            tokens = LONG_OUTPUT_TOKENS
+        elif kind == "slow":
+            tokens = SLOW_READER_TOKENS
+        body = self.body(rng, True, tokens)
+        raw = b""
+        resp = None
+        try:
+            req = http.build_request("POST", "/v1/generations", json=body, headers=self.headers(user, key))
+            resp = await http.send(req, stream=True)
+            try:
+                if resp.status_code != 200:
+                    raw = await resp.aread()
+                    self._record(o, resp, raw)
+                    return
+                async for chunk in resp.aiter_raw():
+                    raw += chunk
+                    if b"generation.text.delta" in raw and not o.generation_id:
+                        o.generation_id = generation_of(raw)
+                        if kind == "disconnect":
+                            o.hung_up_ms = now_ms()
+                            o.ending = "hung_up"
+                            break
+                        if kind == "cancel":
+                            task = asyncio.create_task(self._cancel(http, user, key, o.generation_id))
+                            self.side_tasks.add(task)
+                            task.add_done_callback(self.side_tasks.discard)
+                    if kind == "slow":
+                        await asyncio.sleep(SLOW_READ_PAUSE_S)
+            finally:
+                await resp.aclose()
+        except httpx.ConnectError:
+            o.ending = "connect"
+            self._record(o, None, b"")
+            return
+        except httpx.TransportError:
+            o.ending = o.ending or "eof"
+        except asyncio.CancelledError:
+            if o.generation_id and not o.ending:
+                o.hung_up_ms, o.ending = now_ms(), "hung_up"
+                o.events = sse_events(raw)
+                self._record(o, resp, raw)
+            raise
+        o.events = sse_events(raw)
+        if not o.ending:
+            o.ending = o.events[-1] if o.events and o.events[-1] in TERMINAL_SSE else "eof"
+        self._record(o, resp, raw)
+
+    async def _cancel(self, http: httpx.AsyncClient, user: str, key: str, gid: str) -> None:
+        o = Outcome("cancel_call", user, key, "", now_ms(), generation_id=gid)
+        try:
+            resp = await http.post(f"/v1/generations/{gid}/cancel", headers=self.headers(user, key))
+        except httpx.TransportError:
+            o.ending = "broken"
+            self._record(o, None, b"")
+            return
+        self._record(o, resp, resp.content)
+        o.generation_id = gid
+
+
+# ------------------------------------------------------------------------------------------------
+# the checks
+
+
+@dataclass
+class Findings:
+    problems: list[str] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def bad(self, what: str) -> None:
+        self.problems.append(what)
+
+
+async def settle(stack: Stack, outcomes: list[Outcome], timeout_s: float) -> dict[str, dict[str, Any]]:
+    """GET every generation a client saw, until each is settled or the time is up; the last documents."""
+    owners = {o.generation_id: o.user for o in outcomes if o.generation_id}
+    docs: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    pending = set(owners)
+    async with httpx.AsyncClient(base_url=stack.edge_urls[0], timeout=10) as http:
+        while pending and time.monotonic() < deadline:
+            for gid in sorted(pending):
+                with contextlib.suppress(httpx.HTTPError):
+                    resp = await http.get(f"/v1/generations/{gid}",
+                                          headers={"Authorization": f"Bearer {stack.token(owners[gid])}"})
+                    doc = resp.json()
+                    # A completed generation whose text the result store does not hold answers 410
+                    # result_unavailable with its status beside the code (docs/edge.md).
+                    error = doc.get("error") or {}
+                    docs[gid] = {"http": resp.status_code, "status": doc.get("status") or error.get("status"),
+                                 "code": error.get("code", "")}
+                    status = docs[gid]["status"]
+                    if status in SETTLED:
+                        pending.discard(gid)
+            if pending:
+                await asyncio.sleep(1.0)
+        # A completed result the worker could not store while Cassandra was down is written later
+        # (workers/result_sink.py): until then GET answers 410 result_unavailable. Give it its time.
+        unstored = {gid for gid, d in docs.items() if d.get("code") == "result_unavailable"}
+        deadline = time.monotonic() + RESULT_LATER_WAIT_S
+        while unstored and time.monotonic() < deadline:
+            await asyncio.sleep(2.0)
+            for gid in sorted(unstored):
+                with contextlib.suppress(httpx.HTTPError):
+                    resp = await http.get(f"/v1/generations/{gid}",
+                                          headers={"Authorization": f"Bearer {stack.token(owners[gid])}"})
+                    if resp.status_code == 200:
+                        docs[gid] = {"http": 200, "status": resp.json().get("status"), "code": "", "stored_later": True}
+                        unstored.discard(gid)
+    return docs
+
+
+async def ledger_by_generation(stack: Stack) -> dict[str, list[Any]]:
+    seen: set[str] = set()
+    out: dict[str, list[Any]] = {}
+    for _, _, _, value in sorted(await read_topic(stack.bootstrap, stack.topology.ledger), key=lambda r: (r[0], r[1])):
+        for e in decode_ledger_entry(value or b"").events:
+            if e.event_id in seen:
+                continue
+            seen.add(e.event_id)
+            out.setdefault(e.generation_id, []).append(e)
+    return out
+
+
+def check(stack: Stack, load: Load, injector: Injector, docs: dict[str, dict[str, Any]],
+          ledger: dict[str, list[Any]], report: Any) -> Findings:
+    fx = Findings()
+    outs = load.outcomes
+    # -- what the clients saw ------------------------------------------------------------------------
+    for o in outs:
+        if o.code == "<untyped>" or (o.code and o.code not in TYPED_CODES):
+            fx.bad(f"untyped error: {o.kind} {o.status} on {o.edge} at {o.started_ms}")
+        if o.status >= 500 and o.code not in TYPED_5XX:
+            fx.bad(f"5xx outside the typed ones: {o.kind} {o.status} {o.code} on {o.edge}")
+        if o.ending in ("eof", "broken", "connect") and o.edge:
+            if injector.edge_killed_between(o.edge, o.started_ms, o.ended_ms) is None:
+                fx.bad(f"{o.kind} ended {o.ending} on {o.edge}, which was not killed ({o.generation_id or o.key})")
+        if o.events and o.ending != "hung_up":
+            terminal = [name for name in o.events if name in TERMINAL_SSE]
+            if len(terminal) > 1:
+                fx.bad(f"stream {o.generation_id} carried {len(terminal)} terminal events: {terminal}")
+    # -- every admitted generation settled, and the ledger agrees ------------------------------------
+    charged_wrong = double = unsettled = 0
+    for gid in {o.generation_id for o in outs if o.generation_id}:
+        status = docs.get(gid, {}).get("status")
+        events = ledger.get(gid, [])
+        terminal = [e for e in events if isinstance(e, ev.TERMINAL_EVENT_TYPES)]
+        consumed = sum(isinstance(e, ev.ReservationConsumed) for e in events)
+        accepted = any(isinstance(e, ev.AttemptAccepted) for e in events)
+        if status not in SETTLED:
+            unsettled += 1
+            fx.bad(f"{gid} not settled in GET: {docs.get(gid)}; ledger: {[type(e).__name__ for e in events]}")
+            continue
+        if status == "admission_retryable":
+            if terminal or consumed:
+                fx.bad(f"{gid} admission_retryable in GET but the ledger has {len(terminal)} terminal, {consumed} consumed")
+        elif len(terminal) != 1 or type(terminal[0]).__name__.removeprefix("Generation").lower() != status:
+            fx.bad(f"{gid}: GET says {status}, the ledger ends {[type(e).__name__ for e in terminal]}")
+        if consumed > 1:
+            double += 1
+            fx.bad(f"{gid}: message consumed {consumed} times")
+        if consumed != (1 if accepted else 0):
+            charged_wrong += 1
+            fx.bad(f"{gid}: consumed {consumed} with an accepted attempt: {accepted}")
+    # -- orphans: a generation whose reader was gone ended within its grace + the bound ----------------
+    orphan_ms: list[int] = []
+    for o in outs:
+        if not o.generation_id or o.kind == "cancel_call":
+            continue
+        if o.ending == "hung_up":
+            gone_ms, grace = o.hung_up_ms, DISCONNECT_GRACE_MS
+        elif o.ending in ("eof", "broken") and o.edge:
+            killed = injector.edge_killed_between(o.edge, o.started_ms, o.ended_ms)
+            if killed is None:
+                continue
+            gone_ms, grace = killed, EDGE_LEASE_MS + EDGE_LOST_GRACE_MS
+        else:
+            continue
+        ends = [e.occurred_at_ms for e in ledger.get(o.generation_id, []) if isinstance(e, ev.TERMINAL_EVENT_TYPES)]
+        if not ends:
+            continue  # reported above as unsettled or admission_retryable
+        took = ends[0] - gone_ms
+        orphan_ms.append(took)
+        if took > grace + ORPHAN_BOUND_MS:
+            fx.bad(f"{o.generation_id}: its reader was gone ({o.ending}) but it ran {took} ms on (grace {grace} + {ORPHAN_BOUND_MS})")
+    # -- same-key retries from two clients -------------------------------------------------------------
+    pairs: dict[tuple[str, str], set[str]] = {}
+    for o in outs:
+        if o.kind in ("retry_a", "retry_b") and o.generation_id:
+            pairs.setdefault((o.user, o.key), set()).add(o.generation_id)
+    for (user, key), gids in pairs.items():
+        if len(gids) > 1:
+            fx.bad(f"one key, two generations: {user} {key} -> {sorted(gids)}")
+    # -- the audit ---------------------------------------------------------------------------------------
+    now = now_ms()
+    reserved_late = [r.reservation_id for s in report.states.values() for r in s.reservations.values()
+                     if r.state is ReservationState.RESERVED and r.reconcile_deadline_ms < now]
+    state_violations = [str(v) for s in report.states.values() for v in check_state(s, Policy().concurrency_limit)]
+    if not report.ok:
+        fx.bad("audit failed:\n" + report.render())
+    if reserved_late:
+        fx.bad(f"{len(reserved_late)} reservations RESERVED past their deadline: {reserved_late[:5]}")
+    if state_violations:
+        fx.bad(f"state violations after settling: {state_violations[:5]}")
+    fx.figures.update(
+        requests=len([o for o in outs if o.kind != "cancel_call"]),
+        outcomes=dict(Counter(f"{o.kind}:{o.status or o.ending}:{o.code or '-'}" for o in outs).most_common()),
+        stream_endings=dict(Counter(f"{o.kind}:{o.ending}" for o in outs if o.events or o.ending in ("hung_up", "eof"))),
+        generations_seen=len({o.generation_id for o in outs if o.generation_id}),
+        get_status=dict(Counter(d.get("status") for d in docs.values())),
+        # Completed, but the worker could not store the text (Cassandra down past its put budget,
+        # workers/result_sink.py): GET answers 410 result_unavailable; the ledger is unaffected.
+        results_not_stored=sum(d.get("code") == "result_unavailable" for d in docs.values()),
+        results_stored_later=sum(bool(d.get("stored_later")) for d in docs.values()),
+        unsettled=unsettled, double_consumes=double, charged_wrong=charged_wrong,
+        reserved_past_deadline=len(reserved_late), same_key_pairs=len(pairs),
+        orphans=len(orphan_ms), orphan_end_ms_max=max(orphan_ms, default=0),
+        orphan_end_ms_p50=sorted(orphan_ms)[len(orphan_ms) // 2] if orphan_ms else 0,
+        audit_violations=len(report.violations), audit_mismatches=len(report.mismatches),
+        ledger_consumed=report.consumed, ledger_released=report.released, ledger_terminal=dict(report.terminal),
+    )
+    return fx
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+
+
+@dataclass
+class Result:
+    seed: int
+    ok: bool
+    problems: list[str]
+    figures: dict[str, Any]
+    faults: list[dict[str, Any]]
+    work_dir: str
+
+
+async def chaos(seed: int, duration_s: float, work_dir: Path, loops: int = 8, heavy_loops: int = 1,
+                slot_s: float = 20.0, env: dict[str, str] | None = None) -> Result:
+    stack = Stack(work_dir, namespace=f"chaos{seed}", env={**SIM_ENV, **(env or {})})
+    components = sorted(stack.components)
+    faults = plan_faults(seed, duration_s, components, slot_s)
+    print(f"[chaos] seed {seed}, {duration_s:.0f} s of load, work dir {work_dir}", flush=True)
+    print("[chaos] schedule: " + "; ".join(f"{f.at_s}s {f.kind} {f.target} {f.down_s}s" for f in faults), flush=True)
+    t_boot = time.monotonic()
+    await stack.start()
+    print(f"[chaos] stack up in {time.monotonic() - t_boot:.1f} s: {sorted(stack.pids())}", flush=True)
+    load = Load(stack, seed, loops, heavy_loops)
+    injector = Injector(stack, faults)
+    try:
+        t0 = time.monotonic()
+        load_task = asyncio.create_task(load.run())
+        await injector.run(t0)
+        await asyncio.sleep(max(0.0, t0 + duration_s - time.monotonic()))
+        load.stopping.set()
+        await load_task
+        print(f"[chaos] load stopped after {time.monotonic() - t0:.1f} s, {len(load.outcomes)} calls; settling", flush=True)
+        for c in stack.components.values():  # anything a fault left down comes back for the settle
+            if not c.alive():
+                c.start()
+        await stack.wait_admission()
+        t_settle = time.monotonic()
+        docs = await settle(stack, load.outcomes, SETTLE_TIMEOUT_S)
+        settle_s = time.monotonic() - t_settle
+        # The audit compares the table with the ledger: nothing may decide meanwhile (a processor's
+        # timer would), so the processors stop first.
+        for c in stack.of_kind("processor"):
+            c.stop()
+        ledger = await ledger_by_generation(stack)
+        report = await audit(stack.bootstrap, stack.topology, concurrency_limit=Policy().concurrency_limit,
+                             dedup_retention_ms=Policy().dedup_retention_ms)
+        findings = check(stack, load, injector, docs, ledger, report)
+        findings.figures["settle_s"] = round(settle_s, 1)
+        findings.figures["faults"] = dict(Counter(f.kind for f in faults))
+        print(report.render(), flush=True)
+    finally:
+        await load.close()
+        stack.stop()
+    return Result(seed, not findings.problems, findings.problems, findings.figures, [asdict(f) for f in faults], str(work_dir))
+
+
+def render(r: Result) -> str:
+    lines = [f"chaos run, seed {r.seed}: {'PASSED' if r.ok else 'FAILED'}", "faults injected (as they ran):"]
+    for f in r.faults:
+        took = (f["ended_ms"] - f["started_ms"]) / 1000 if f["ended_ms"] else 0
+        lines.append(f"  {f['at_s']:6.1f}s {f['kind']:<17} {f['target']:<12} down {f['down_s']:4.1f}s, healed in {took:5.1f}s {f['note']}")
+    for k, v in r.figures.items():
+        lines.append(f"{k}: {v}")
+    lines.append(f"problems: {len(r.problems)}")
+    lines.extend(f"  {p}" for p in r.problems[:50])
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.chaos.chaos", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--duration-s", type=float, default=600.0, help="seconds of load and faults (600: the local run)")
+    p.add_argument("--loops", type=int, default=8, help="client loops (each one request at a time)")
+    p.add_argument("--heavy-loops", type=int, default=1, help="loops of users that exhaust their quota")
+    p.add_argument("--slot-s", type=float, default=20.0, help="seconds between two faults")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="a setting for every component of the stack (repeatable), e.g. CHATPLANE_EDGE_LOST_GRACE_MS=60000")
+    p.add_argument("--work-dir", type=Path, help="kept afterwards (default: a temporary one, removed when it passed)")
+    a = p.parse_args(argv)
+    work = a.work_dir or Path(tempfile.mkdtemp(prefix=f"chatplane-chaos-{a.seed}-"))
+    env = dict(item.split("=", 1) for item in a.env)
+    result = asyncio.run(chaos(a.seed, a.duration_s, work, a.loops, a.heavy_loops, a.slot_s, env))
+    print(render(result))
+    (work / "result.json").write_text(json.dumps(asdict(result), indent=2, default=str))
+    if result.ok and a.work_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
