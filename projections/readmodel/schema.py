@@ -111,6 +111,8 @@ class ReadModelSettings:
     result_ttl_s: int = setting("CHATPLANE_RESULT_TTL_S", RESULT_TTL_S_DEFAULT, ge=1)
     metadata_ttl_s: int = setting("CHATPLANE_GENERATION_METADATA_TTL_S", GENERATION_METADATA_TTL_S_DEFAULT, ge=1)
     read_deadline_s: float = setting("CHATPLANE_READ_DEADLINE_S", READ_DEADLINE_S_DEFAULT, gt=0)
+    # Command ids the projection remembers to skip a redelivering processor's re-sends (writer.py).
+    seen_commands_max: int = setting("CHATPLANE_READMODEL_SEEN_COMMANDS_MAX", 100_000, ge=1)
 
     def __post_init__(self) -> None:
         # Also checked for values passed from code: the keyspace is interpolated into CQL.

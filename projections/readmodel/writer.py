@@ -22,7 +22,7 @@ recreating the ledger topic (offsets restart at 0) needs a new keyspace or table
 Within one poll, the updates of one generation are merged into one statement at the highest offset
 of the batch: every cell it writes holds that column's value as of that offset, which is what a
 one-statement-per-entry replay would leave. A bounded memory of recently applied command ids
-(``SEEN_COMMANDS_MAX``) skips the identical entries a redelivering processor re-sends, so a
+(``seen_commands_max``, ``CHATPLANE_READMODEL_SEEN_COMMANDS_MAX``) skips the identical entries a redelivering processor re-sends, so a
 status does not flicker back during the re-send.
 
 While Cassandra is unreachable the batch is retried with bounded backoff for ``WRITE_RETRY_WINDOW_S``
@@ -76,7 +76,6 @@ WRITE_RETRY_BACKOFF_S_MAX = 2.0
 WRITE_RETRY_WINDOW_S = 240.0  # then exit; must stay below MAX_POLL_INTERVAL_MS
 MAX_POLL_INTERVAL_MS = 300_000
 SESSION_TIMEOUT_MS = 10_000
-SEEN_COMMANDS_MAX = 100_000  # command ids remembered to skip a redelivering processor's re-sends
 DEAD_LETTER_VALUE_BYTES_MAX = 4_096
 STATS_LOG_INTERVAL_S = 10.0
 
@@ -345,7 +344,7 @@ class ReadModelProjection:
             self._seen.move_to_end(command_id)
             return False
         self._seen[command_id] = None
-        if len(self._seen) > SEEN_COMMANDS_MAX:
+        if len(self._seen) > self.settings.seen_commands_max:
             self._seen.popitem(last=False)
         return True
 

@@ -58,7 +58,7 @@ from control_plane.policy import Policy  # noqa: E402
 from projections.ledger.audit import audit  # noqa: E402
 from projections.shared.topic_reader import read_topic  # noqa: E402
 from schemas import events as ev  # noqa: E402
-from schemas.codes import RejectionCode, ReservationState  # noqa: E402
+from schemas.codes import RejectionCode, ReservationState, Tier  # noqa: E402
 from schemas.wire import decode_ledger_entry  # noqa: E402
 
 MODEL = "simulated-text-model"
@@ -77,7 +77,7 @@ OUTPUT_TOKENS = (8, 16, 32, 64, 128, 300)  # 20 ms a token: up to 6 s of output
 # Streams that outlive an edge kill or a hang-up: 30 s of output, longer than any grace plus
 # ORPHAN_BOUND_MS, so an orphan left running shows as one that ended too late.
 LONG_OUTPUT_TOKENS = 1_500
-HTTP_TIMEOUT_S = 60.0
+HTTP_TIMEOUT_S = 170.0  # over the edge's longest non-stream wait (CHATPLANE_EDGE_GENERATION_WAIT_S_MAX, 160 s)
 CONNECT_TIMEOUT_S = 3.0
 THINK_S = (0.1, 0.8)
 REQUESTS_PER_USER = 12  # a loop moves to a fresh user before the burst bucket or the quota binds
@@ -85,6 +85,7 @@ HEAVY_USER_REQUESTS = 48  # > the free tier's 40 messages: the last ones are quo
 SLOW_READ_PAUSE_S = 0.3  # a slow SSE reader pauses this long after each chunk it reads
 SLOW_READER_TOKENS = 128  # about 50 deltas: some 15 s of slow reading
 SETTLE_TIMEOUT_S = 240.0
+TOKENS_KEPT_MAX = 100_000  # the load's own memory of minted tokens
 LOAD_DRAIN_S = 60.0  # after the load stops, for the calls in flight to end
 RESULT_LATER_WAIT_S = 30.0  # for results held by a worker while Cassandra was down
 FAULT_DOWN_S = (2.0, 5.0)  # a killed component stays down this long before its restart
@@ -214,6 +215,19 @@ def sse_events(raw: bytes) -> list[str]:
     return [line[7:].strip() for line in raw.decode(errors="replace").split("\n") if line.startswith("event: ")]
 
 
+def stream_error_code(raw: bytes) -> str:
+    """The code of a stream's ``generation.error`` event ("" when it has none)."""
+    marker = b"event: generation.error\ndata: "
+    if marker not in raw:
+        return ""
+    line = raw.split(marker, 1)[1].split(b"\n", 1)[0]
+    try:
+        data = json.loads(line)
+        return str(data.get("code") or (data.get("error") or {}).get("code") or "<untyped>")
+    except (ValueError, AttributeError):
+        return "<untyped>"
+
+
 def generation_of(raw: bytes) -> str:
     marker = b'"generation_id":"'
     if marker in raw:
@@ -227,6 +241,7 @@ class Load:
         self.loops, self.heavy_loops = loops, heavy_loops
         self.outcomes: list[Outcome] = []
         self.side_tasks: set[asyncio.Task[None]] = set()
+        self._tokens: dict[str, str] = {}
         self.stopping = asyncio.Event()
         self.run_id = uuid.uuid4().hex[:6]
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
@@ -239,7 +254,15 @@ class Load:
             await h.aclose()
 
     def headers(self, user: str, key: str) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.stack.token(user)}", "Idempotency-Key": key}
+        return {"Authorization": f"Bearer {self.token(user)}", "Idempotency-Key": key}
+
+    def token(self, user: str, tier: Tier = Tier.FREE) -> str:
+        """One token per user for the run, as a real client keeps its token until it expires."""
+        if user not in self._tokens:
+            if len(self._tokens) >= TOKENS_KEPT_MAX:
+                self._tokens.clear()
+            self._tokens[user] = self.stack.token(user, tier)
+        return self._tokens[user]
 
     def body(self, rng: random.Random, stream: bool, tokens: int | None = None) -> dict[str, Any]:
         return {"model": MODEL, "stream": stream, "max_output_tokens": tokens or rng.choice(OUTPUT_TOKENS),
@@ -384,6 +407,7 @@ class Load:
                 self._record(o, resp, raw)
             raise
         o.events = sse_events(raw)
+        o.code = o.code or stream_error_code(raw)
         if not o.ending:
             o.ending = o.events[-1] if o.events and o.events[-1] in TERMINAL_SSE else "eof"
         self._record(o, resp, raw)
