@@ -12,8 +12,8 @@ growing with new users): streams read to the end, non-streams, cancels after the
 mid-stream, same-key retries. Request records are kept ``--dedup-retention-s`` (120 s here instead of
 the contract's 24 h, so that the records held reach their steady number within the run: the soak
 looks for memory that is never given back, not for what the contract keeps). For the same reason the
-bounded caches that would take hours to fill at this rate (the edge's recent generations, the read
-model's seen command ids) are set small (``SMALL_CACHES``; ``--no-small-caches`` keeps the defaults),
+bounded caches that would take hours to fill at this rate (the edge's recent generations and result
+cache, the read model's seen command ids) are set small (``SMALL_CACHES``; ``--no-small-caches`` keeps the defaults),
 and each client keeps one token per user, as a real one does.
 
 Printed per process: RSS at the first sample at or after ``--from-minute`` and at the end, the growth
@@ -45,7 +45,8 @@ GROWTH_TARGET = 0.05
 # Bounded caches that at the soak's rate would take hours to fill (and so grow through the whole run
 # by design): set small so that they are full before the growth is judged, and what grows after is a
 # leak. Their sizes at the default bounds are in docs/reliability.md.
-SMALL_CACHES = {"CHATPLANE_EDGE_RECENT_GENERATIONS_MAX": 2_000, "CHATPLANE_READMODEL_SEEN_COMMANDS_MAX": 10_000}
+SMALL_CACHES = {"CHATPLANE_EDGE_RECENT_GENERATIONS_MAX": 2_000, "CHATPLANE_READMODEL_SEEN_COMMANDS_MAX": 10_000,
+                "CHATPLANE_EDGE_RESULT_CACHE_BYTES_MAX": 1024 * 1024}
 MIB = 1024 * 1024
 JVMS = ("kafka", "cassandra")
 

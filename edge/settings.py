@@ -114,6 +114,8 @@ class EdgeSettings:
     read_model: bool = setting("CHATPLANE_EDGE_READ_MODEL", True)
     # Recently seen generations kept for GET when the Cassandra read model is not available.
     recent_generations_max: int = setting("CHATPLANE_EDGE_RECENT_GENERATIONS_MAX", 100_000, ge=0)
+    # Final text of completed generations this edge served, kept for same-key retries (oldest dropped).
+    result_cache_bytes_max: int = setting("CHATPLANE_EDGE_RESULT_CACHE_BYTES_MAX", 64 * 1024 * 1024, ge=0)
 
     policy: Policy = field(default_factory=policy_from_env)
 

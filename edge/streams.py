@@ -51,7 +51,6 @@ BACKGROUND_SENDS_MAX = 10_000
 # Completed results kept in memory (for GET and same-key retries when the read model is off): their
 # text bytes plus RESULT_ENTRY_OVERHEAD_BYTES each, so that many short or empty results are bounded
 # too (counting the text alone let empty results pile up without end); expired ones go first.
-RESULT_CACHE_BYTES_MAX = 64 * 1024 * 1024
 RESULT_ENTRY_OVERHEAD_BYTES = 256
 # Messages for a generation this edge does not hold yet: the reader can see a worker's prompt request
 # or first delta before the submitting handler has registered the stream its decision admitted
@@ -299,7 +298,7 @@ class StreamHub:
         # Oldest first: every entry has the same time to live, so the oldest is also the first to expire.
         while self.results:
             oldest_id, (_, expires) = next(iter(self.results.items()))
-            if expires > now and self.results_bytes <= RESULT_CACHE_BYTES_MAX:
+            if expires > now and self.results_bytes <= self.settings.result_cache_bytes_max:
                 break
             self._forget_result(oldest_id)
 
@@ -477,7 +476,7 @@ class StreamHub:
 
 
 def _result_cost(text: str) -> int:
-    """What one retained result counts against ``RESULT_CACHE_BYTES_MAX``."""
+    """What one retained result counts against ``result_cache_bytes_max`` (CHATPLANE_EDGE_RESULT_CACHE_BYTES_MAX)."""
     return len(text.encode()) + RESULT_ENTRY_OVERHEAD_BYTES
 
 

@@ -646,8 +646,7 @@ async def test_retained_results_are_bounded_in_count_and_dropped_once_expired(mo
 
     from edge import streams
 
-    monkeypatch.setattr(streams, "RESULT_CACHE_BYTES_MAX", 10 * streams.RESULT_ENTRY_OVERHEAD_BYTES)
-    hub = make_hub()
+    hub = make_hub(result_cache_bytes_max=10 * streams.RESULT_ENTRY_OVERHEAD_BYTES)
     for i in range(100):  # empty results: their text alone counts nothing
         held(hub, f"g{i}")
         hub.on_message(finalized(gid=f"g{i}"))
