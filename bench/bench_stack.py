@@ -111,17 +111,18 @@ async def one(http: httpx.AsyncClient, stack: Stack, s: Sample) -> None:
                 except (ValueError, KeyError, TypeError):
                     s.code = f"http_{resp.status_code}"
                 return
-            seen = b""
+            tail = b""  # the end of what came before: an event name split across two chunks is still found
             async for chunk in resp.aiter_raw():
-                if s.decided is None and b"generation.created" in seen + chunk:
+                window = tail + chunk
+                if s.decided is None and b"generation.created" in window:
                     s.decided, s.typed = time.monotonic(), True
-                if s.first_token is None and b"generation.text.delta" in seen + chunk:
+                if s.first_token is None and b"generation.text.delta" in window:
                     s.first_token = time.monotonic()
-                seen = (seen + chunk)[-64:]
-                if b"generation.completed" in seen:
+                if b"event: generation.completed" in window:
                     s.code = "completed"
-                elif b"generation.error" in seen or b"generation.cancelled" in seen:
+                elif b"event: generation.error" in window or b"event: generation.cancelled" in window:
                     s.code = s.code or "stream_error"
+                tail = window[-64:]
             s.code = s.code or "eof"
     except httpx.HTTPError as exc:
         s.code = type(exc).__name__
