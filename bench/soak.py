@@ -57,6 +57,7 @@ class SteadyLoad(Load):
     def __init__(self, stack: Stack, seed: int, loops: int, users: int) -> None:
         super().__init__(stack, seed, loops, heavy_loops=0)
         self.users = [f"s{self.run_id}-{i}" for i in range(users)]
+        self.tally: Counter[str] = Counter()  # outcomes of the calls already counted out of self.outcomes
 
     def headers(self, user: str, key: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token(user, Tier.PAID)}", "Idempotency-Key": key}
@@ -85,8 +86,6 @@ class SteadyLoad(Load):
                 self.tally.update(f"{o.kind}:{o.status or o.ending}:{o.code or '-'}" for o in self.outcomes)
                 self.outcomes.clear()
 
-    tally: Counter[str]
-
 
 def slope(points: list[tuple[float, float]]) -> float:
     """Least-squares slope of (minute, MiB) points."""
@@ -106,7 +105,6 @@ async def soak(args: argparse.Namespace, work: Path) -> int:
                        **(SMALL_CACHES if args.small_caches else {}), **dict(item.split("=", 1) for item in args.env)})
     await stack.start()
     load = SteadyLoad(stack, args.seed, args.loops, args.users)
-    load.tally = Counter()
     samples: dict[str, list[tuple[float, int]]] = {}
     cpu0 = {name: cpu_seconds(pid) or 0.0 for name, pid in stack.pids().items()}
     pids0 = stack.pids()

@@ -116,7 +116,7 @@ class Component:
             if self.paused and sig not in (signal.SIGCONT, signal.SIGSTOP):
                 self.proc.send_signal(signal.SIGCONT)
             self.proc.send_signal(sig)
-            self.paused = sig == signal.SIGSTOP or (self.paused and sig != signal.SIGCONT)
+            self.paused = sig == signal.SIGSTOP  # any other signal left it running (SIGCONT first)
 
     def kill(self) -> None:
         """kill -9 and reap (no zombie is left for a pid check to mistake for a live process)."""

@@ -81,10 +81,10 @@ class CassandraResultSink:
             raise ValueError("need attempts_max >= 1, deadline_s > 0, backoff_s >= 0")
         if pending_max < 0 or pending_bytes_max < 0 or pending_age_max_s < 0 or retry_interval_s <= 0:
             raise ValueError("need pending_max, pending_bytes_max, pending_age_max_s >= 0 and retry_interval_s > 0")
-        # Results whose put ran out of budget, oldest first: (generation, epoch) -> (text, usage, held since).
+        # Results whose put ran out of budget, oldest first: (generation, epoch) -> (text, its bytes, usage, held since).
         self.pending_max, self.pending_bytes_max = pending_max, pending_bytes_max
         self.pending_age_max_s, self.retry_interval_s = pending_age_max_s, retry_interval_s
-        self._pending: OrderedDict[tuple[str, int], tuple[str, tuple[int, int], float]] = OrderedDict()
+        self._pending: OrderedDict[tuple[str, int], tuple[str, int, tuple[int, int], float]] = OrderedDict()
         self._pending_bytes = 0
         self._retrying: asyncio.Task[None] | None = None
         self._settings = settings
@@ -154,7 +154,10 @@ class CassandraResultSink:
 
     def _hold(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> None:
         size = len(text.encode())
-        self._pending[(generation_id, epoch)] = (text, usage, time.monotonic())
+        earlier = self._pending.pop((generation_id, epoch), None)  # a second put of the same attempt replaces it
+        if earlier is not None:
+            self._pending_bytes -= earlier[1]
+        self._pending[(generation_id, epoch)] = (text, size, usage, time.monotonic())
         self._pending_bytes += size
         while self._pending and (len(self._pending) > self.pending_max or self._pending_bytes > self.pending_bytes_max):
             self._give_up(next(iter(self._pending)), "the held results are over their bounds")
@@ -163,8 +166,8 @@ class CassandraResultSink:
             self._retrying = asyncio.create_task(self._write_later(), name="result-sink-later")
 
     def _give_up(self, key: tuple[str, int], why: str) -> None:
-        text, _, _ = self._pending.pop(key)
-        self._pending_bytes -= len(text.encode())
+        _, size, _, _ = self._pending.pop(key)
+        self._pending_bytes -= size
         self.stats.not_stored += 1
         self.stats.held = len(self._pending)
         log.warning("result of %s epoch %d given up (%s): a same-key retry answers result_unavailable", key[0], key[1], why)
@@ -176,7 +179,7 @@ class CassandraResultSink:
             for key in list(self._pending):
                 if key not in self._pending:
                     continue
-                text, usage, since = self._pending[key]
+                text, size, usage, since = self._pending[key]
                 if time.monotonic() - since > self.pending_age_max_s:
                     self._give_up(key, f"held over {self.pending_age_max_s:.0f} s")
                     continue
@@ -190,7 +193,7 @@ class CassandraResultSink:
                     self.stats.last_error = type(exc).__name__
                     break
                 self._pending.pop(key)
-                self._pending_bytes -= len(text.encode())
+                self._pending_bytes -= size
                 self.stats.stored += 1
                 self.stats.stored_later += 1
                 self.stats.held = len(self._pending)
