@@ -21,6 +21,15 @@ Printed:
 
 The CPU and bytes of a rate are counted from its first request until every stream of it ended plus
 ``--tail-s``, so the work a generation causes after its last token (reports, projections) is in.
+Kafka's bytes and records (end offsets) are also printed per topic.
+
+``--peer litellm`` then runs the same load, at the same rates, against LiteLLM's proxy
+(bench/peer_litellm.py: ``litellm[proxy]==1.106.12`` in its own venv, ``--peer-workers`` processes) in
+front of bench/fake_openai.py (a FAKE model server with the same 50 ms / 10 ms timing), after
+chatplane's stack has stopped, and prints the two side by side: first token p50/p95/p99 and CPU ms
+per completed request (LiteLLM's processes; the fake model's apart).
+
+    .venv/bin/python bench/bench_stack.py --rates 20,50,100 --seconds 20 --peer litellm
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +51,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.peer_litellm import DEFAULT_VENV, LiteLLMPeer  # noqa: E402
 from bench.stackrun import Stack, cpu_seconds, rss_bytes  # noqa: E402
 
 MODEL = "simulated-text-model"
@@ -49,6 +60,7 @@ SIM_ENV = {"CHATPLANE_SIM_TTFT_MS": int(ENGINE_TTFT_MS), "CHATPLANE_SIM_INTER_TO
            "CHATPLANE_SIM_JITTER_MS": 0, "CHATPLANE_SIM_OUTPUT_TOKENS": 1_000}
 OUTPUT_TOKENS = 8
 DECISION_TARGET_S = 0.5
+WARMUP_RATE = 10.0  # requests/s during --warmup-s
 HTTP_TIMEOUT_S = 120.0
 MIB = 1024 * 1024
 
@@ -70,10 +82,36 @@ def write_bytes(pid: int) -> int:
     return 0
 
 
-def kafka_log_bytes(stack: Stack) -> int:
-    """Bytes in the broker's log segments (every topic): what was appended, compressed as stored."""
+def kafka_log_bytes(stack: Stack) -> Counter[str]:
+    """Bytes in the broker's log segments per topic (every partition, changelogs included): what was
+    appended, as stored. A compaction between two readings can make a topic's difference smaller."""
     data = stack.work_dir / "var" / "kafka" / "data"
-    return sum(p.stat().st_size for p in data.rglob("*.log") if p.is_file())
+    sizes: Counter[str] = Counter()
+    for p in data.rglob("*.log"):
+        if p.is_file():
+            topic = p.parent.name.rsplit("-", 1)[0]  # <topic>-<partition>
+            sizes[topic.removeprefix(stack.namespace + ".")] += p.stat().st_size
+    return sizes
+
+
+async def kafka_records(stack: Stack) -> Counter[str]:
+    """Records appended so far per topic (the sum of its partitions' end offsets; transactional
+    markers count as records)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap)
+    await consumer.start()
+    try:
+        cluster = await consumer._client.fetch_all_metadata()  # bench-only: the consumer's own cache holds no partitions
+        tps = [TopicPartition(t, p) for t in cluster.topics() if t.startswith(stack.namespace + ".")
+               for p in cluster.partitions_for_topic(t) or ()]
+        ends = await consumer.end_offsets(tps)
+    finally:
+        await consumer.stop()
+    counts: Counter[str] = Counter()
+    for tp, end in ends.items():
+        counts[tp.topic.removeprefix(stack.namespace + ".")] += end
+    return counts
 
 
 @dataclass
@@ -92,11 +130,14 @@ class Phase:
     cpu_ms: dict[str, float] = field(default_factory=dict)
     rss_mib: dict[str, float] = field(default_factory=dict)
     kafka_bytes: int = 0
+    kafka_topics: dict[str, int] = field(default_factory=dict)  # bytes per generation by topic
+    kafka_records: dict[str, float] = field(default_factory=dict)  # records per generation by topic
     cassandra_bytes: int = 0
     wall_s: float = 0.0
 
 
 async def one(http: httpx.AsyncClient, stack: Stack, s: Sample) -> None:
+    """One streaming generation through chatplane's edge, as a new user."""
     user = f"b{uuid.uuid4().hex[:12]}"
     body = {"model": MODEL, "stream": True, "max_output_tokens": OUTPUT_TOKENS,
             "messages": [{"role": "user", "content": "Say eight words."}]}
@@ -104,12 +145,7 @@ async def one(http: httpx.AsyncClient, stack: Stack, s: Sample) -> None:
     try:
         async with http.stream("POST", "/v1/generations", json=body, headers=headers) as resp:
             if resp.status_code != 200:
-                raw = await resp.aread()
-                s.decided = time.monotonic()
-                try:
-                    s.code, s.typed = json.loads(raw)["error"]["code"], True
-                except (ValueError, KeyError, TypeError):
-                    s.code = f"http_{resp.status_code}"
+                await _error_answer(resp, s)
                 return
             tail = b""  # the end of what came before: an event name split across two chunks is still found
             async for chunk in resp.aiter_raw():
@@ -128,18 +164,61 @@ async def one(http: httpx.AsyncClient, stack: Stack, s: Sample) -> None:
         s.code = type(exc).__name__
 
 
-def snapshot(stack: Stack) -> tuple[dict[str, float], int, int]:
-    pids = stack.pids()
-    cpu = {name: cpu_seconds(pid) or 0.0 for name, pid in pids.items()}
-    cass = write_bytes(pids["cassandra"]) if "cassandra" in pids else 0
+async def peer_one(http: httpx.AsyncClient, peer: LiteLLMPeer, s: Sample) -> None:
+    """The same request to LiteLLM's OpenAI-compatible endpoint (decided: its 200's headers arrived)."""
+    body = {"model": MODEL, "stream": True, "max_tokens": OUTPUT_TOKENS,
+            "messages": [{"role": "user", "content": "Say eight words."}]}
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body, headers=peer.headers()) as resp:
+            if resp.status_code != 200:
+                await _error_answer(resp, s)
+                return
+            s.decided, s.typed = time.monotonic(), True
+            tail = b""
+            async for chunk in resp.aiter_raw():
+                window = tail + chunk
+                if s.first_token is None and b'"content":"' in window.replace(b'": "', b'":"'):
+                    s.first_token = time.monotonic()
+                if b"data: [DONE]" in window:
+                    s.code = "completed"
+                tail = window[-64:]
+            s.code = s.code or "eof"
+    except httpx.HTTPError as exc:
+        s.code = type(exc).__name__
+
+
+async def _error_answer(resp: httpx.Response, s: Sample) -> None:
+    raw = await resp.aread()
+    s.decided = time.monotonic()
+    try:
+        err = json.loads(raw)["error"]
+        s.code, s.typed = str(err.get("code") or err.get("type")), True
+    except (ValueError, KeyError, TypeError, AttributeError):
+        s.code = f"http_{resp.status_code}"
+
+
+def snapshot(pids: dict[str, list[int]], stack: Stack | None) -> tuple[dict[str, float], Counter[str], int]:
+    cpu = {name: sum(cpu_seconds(pid) or 0.0 for pid in group) for name, group in pids.items()}
+    if stack is None:
+        return cpu, Counter(), 0
+    cass = write_bytes(pids["cassandra"][0]) if "cassandra" in pids else 0
     return cpu, kafka_log_bytes(stack), cass
 
 
-async def run_rate(stack: Stack, rate: float, seconds: float, tail_s: float) -> Phase:
+def stack_pids(stack: Stack) -> dict[str, list[int]]:
+    return {name: [pid] for name, pid in stack.pids().items()}
+
+
+async def run_rate(rate: float, seconds: float, tail_s: float, base_url: str,
+                   send: Callable[[httpx.AsyncClient, Sample], Awaitable[None]],
+                   pids: Callable[[], dict[str, list[int]]], stack: Stack | None) -> Phase:
+    """Open-loop load at ``rate`` for ``seconds`` through ``send``; CPU of ``pids()``; Kafka and
+    Cassandra bytes when ``stack`` is chatplane's."""
     phase = Phase(rate)
     limits = httpx.Limits(max_connections=10_000, max_keepalive_connections=200)
-    async with httpx.AsyncClient(base_url=stack.edge_urls[0], timeout=HTTP_TIMEOUT_S, limits=limits) as http:
-        cpu0, k0, c0 = snapshot(stack)
+    async with httpx.AsyncClient(base_url=base_url, timeout=HTTP_TIMEOUT_S, limits=limits) as http:
+        r0 = await kafka_records(stack) if stack is not None else Counter()
+        cpu0, k0, c0 = snapshot(pids(), stack)
         t0 = time.monotonic()
         tasks = []
         n = int(rate * seconds)
@@ -147,19 +226,22 @@ async def run_rate(stack: Stack, rate: float, seconds: float, tail_s: float) -> 
             await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
             s = Sample(time.monotonic())
             phase.samples.append(s)
-            tasks.append(asyncio.create_task(one(http, stack, s)))
+            tasks.append(asyncio.create_task(send(http, s)))
         await asyncio.gather(*tasks)
         await asyncio.sleep(tail_s)
-        cpu1, k1, c1 = snapshot(stack)
+        cpu1, k1, c1 = snapshot(pids(), stack)
         phase.wall_s = time.monotonic() - t0
+        r1 = await kafka_records(stack) if stack is not None else Counter()
     done = max(1, sum(s.code == "completed" for s in phase.samples))
     phase.cpu_ms = {name: (cpu1.get(name, 0.0) - cpu0.get(name, 0.0)) * 1000 / done for name in cpu1}
-    phase.rss_mib = {name: (rss_bytes(pid) or 0) / MIB for name, pid in stack.pids().items()}
-    phase.kafka_bytes, phase.cassandra_bytes = (k1 - k0) // done, (c1 - c0) // done
+    phase.rss_mib = {name: sum(rss_bytes(pid) or 0 for pid in group) / MIB for name, group in pids().items()}
+    phase.kafka_topics = {t: (k1[t] - k0.get(t, 0)) // done for t in k1 if k1[t] != k0.get(t, 0)}
+    phase.kafka_records = {t: (r1[t] - r0.get(t, 0)) / done for t in r1 if r1[t] != r0.get(t, 0)}
+    phase.kafka_bytes, phase.cassandra_bytes = sum(phase.kafka_topics.values()), (c1 - c0) // done
     return phase
 
 
-def report(phase: Phase) -> str:
+def report(phase: Phase, who: str = "chatplane") -> str:
     ss = phase.samples
     done = [s for s in ss if s.code == "completed"]
     created = [(s.decided - s.sent) * 1000 for s in ss if s.decided is not None and s.typed]
@@ -167,7 +249,7 @@ def report(phase: Phase) -> str:
     within = sum(1 for s in ss if s.typed and s.decided is not None and s.decided - s.sent <= DECISION_TARGET_S)
     added = [f - ENGINE_TTFT_MS for f in first]
     lines = [
-        f"rate {phase.rate:g}/s: {len(ss)} requests, {len(done)} completed, {phase.wall_s:.1f} s",
+        f"{who} rate {phase.rate:g}/s: {len(ss)} requests, {len(done)} completed, {phase.wall_s:.1f} s",
         f"  outcomes: {dict(Counter(s.code for s in ss).most_common())}",
         f"  decision (created or typed error) p50/p95/p99: {pct(created, .5):.0f} / {pct(created, .95):.0f} / {pct(created, .99):.0f} ms;"
         f" typed within 500 ms: {within / max(1, len(ss)):.2%}",
@@ -175,29 +257,83 @@ def report(phase: Phase) -> str:
         f" control plane's addition (minus the engine's {ENGINE_TTFT_MS:.0f} ms) p50 {pct(added, .5):.0f}, p95 {pct(added, .95):.0f} ms",
         f"  CPU ms per completed generation: total {sum(phase.cpu_ms.values()):.1f} = "
         + ", ".join(f"{k} {v:.1f}" for k, v in sorted(phase.cpu_ms.items())),
-        f"  bytes per generation: Kafka log segments {phase.kafka_bytes / 1024:.1f} KiB, Cassandra disk writes {phase.cassandra_bytes / 1024:.1f} KiB",
-        "  RSS MiB at the end: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(phase.rss_mib.items())),
     ]
+    if phase.kafka_topics or phase.kafka_records:
+        lines += [
+            f"  bytes per generation: Kafka log segments {phase.kafka_bytes / 1024:.1f} KiB, Cassandra disk writes {phase.cassandra_bytes / 1024:.1f} KiB",
+            "  Kafka bytes per generation by topic: "
+            + ", ".join(f"{t} {b}" for t, b in sorted(phase.kafka_topics.items(), key=lambda kv: -kv[1])),
+            f"  Kafka records per generation: {sum(phase.kafka_records.values()):.1f} = "
+            + ", ".join(f"{t} {n:.1f}" for t, n in sorted(phase.kafka_records.items(), key=lambda kv: -kv[1])),
+        ]
+    lines.append("  RSS MiB at the end: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(phase.rss_mib.items())))
     return "\n".join(lines)
+
+
+def first_token_ms(phase: Phase) -> list[float]:
+    return [(s.first_token - s.sent) * 1000 for s in phase.samples if s.code == "completed" and s.first_token is not None]
+
+
+def side_by_side(ours: list[Phase], peer: list[Phase], peer_cpu_names: tuple[str, ...]) -> str:
+    lines = ["", "side by side (first token p50 / p95 / p99 ms; CPU ms per completed request)",
+             f"{'rate':>6}  {'chatplane':>22}  {'LiteLLM':>22}  {'chatplane CPU':>14}  {'LiteLLM CPU':>12}  p95 at or below"]
+    for a, b in zip(ours, peer, strict=True):
+        fa, fb = first_token_ms(a), first_token_ms(b)
+        cpu_b = sum(v for k, v in b.cpu_ms.items() if k in peer_cpu_names)
+        lines.append(f"{a.rate:>6g}  {pct(fa, .5):>6.0f} / {pct(fa, .95):>5.0f} / {pct(fa, .99):>5.0f}  "
+                     f"{pct(fb, .5):>6.0f} / {pct(fb, .95):>5.0f} / {pct(fb, .99):>5.0f}  "
+                     f"{sum(a.cpu_ms.values()):>14.1f}  {cpu_b:>12.1f}  {'yes' if pct(fa, .95) <= pct(fb, .95) else 'NO'}")
+    return "\n".join(lines)
+
+
+async def idle_cpu(pids: Callable[[], dict[str, list[int]]], seconds: float) -> dict[str, float]:
+    cpu0, _, _ = snapshot(pids(), None)
+    await asyncio.sleep(seconds)
+    cpu1, _, _ = snapshot(pids(), None)
+    return {k: (cpu1[k] - cpu0.get(k, 0.0)) / seconds * 100 for k in cpu1}
 
 
 async def bench(args: argparse.Namespace, work: Path) -> None:
     stack = Stack(work, namespace=f"bench{uuid.uuid4().hex[:6]}", processors=1, workers=1, edges=1, readmodels=1,
-                  env=SIM_ENV)
+                  env={**SIM_ENV, **dict(item.split("=", 1) for item in args.env)})
+    ours: list[Phase] = []
     await stack.start()
     try:
-        await asyncio.sleep(args.warmup_s)
-        cpu0, _, _ = snapshot(stack)
-        await asyncio.sleep(args.idle_s)
-        cpu1, _, _ = snapshot(stack)
-        idle = {k: (cpu1[k] - cpu0.get(k, 0.0)) / args.idle_s * 100 for k in cpu1}
-        print(f"idle over {args.idle_s:g} s, % of one core: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(idle.items())), flush=True)
+        if args.warmup_s > 0:  # JIT-warm the JVMs and fill the connection pools; not reported
+            await run_rate(WARMUP_RATE, args.warmup_s, args.tail_s, stack.edge_urls[0],
+                           lambda http, s: one(http, stack, s), lambda: stack_pids(stack), stack)
+        idle = await idle_cpu(lambda: stack_pids(stack), args.idle_s)
+        print(f"chatplane idle over {args.idle_s:g} s, % of one core: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(idle.items())), flush=True)
         for rate in args.rates:
-            phase = await run_rate(stack, rate, args.seconds, args.tail_s)
+            phase = await run_rate(rate, args.seconds, args.tail_s, stack.edge_urls[0],
+                                   lambda http, s: one(http, stack, s), lambda: stack_pids(stack), stack)
+            ours.append(phase)
             print(report(phase), flush=True)
             await asyncio.sleep(args.pause_s)
     finally:
         stack.stop()
+    if args.peer != "litellm":
+        return
+    peer = LiteLLMPeer(work / "litellm", args.peer_venv, args.peer_workers, MODEL, ENGINE_TTFT_MS, 10.0)
+    theirs: list[Phase] = []
+    await peer.start()
+    try:
+        if args.warmup_s > 0:
+            await run_rate(WARMUP_RATE, args.warmup_s, args.tail_s, peer.url, lambda http, s: peer_one(http, peer, s),
+                           peer.pids, None)
+        idle = await idle_cpu(peer.pids, args.idle_s)
+        print(f"LiteLLM ({args.peer_workers} worker(s)) idle over {args.idle_s:g} s, % of one core: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(idle.items())), flush=True)
+        for rate in args.rates:
+            phase = await run_rate(rate, args.seconds, args.tail_s, peer.url, lambda http, s: peer_one(http, peer, s),
+                                   peer.pids, None)
+            theirs.append(phase)
+            print(report(phase, f"LiteLLM {args.peer_workers}w"), flush=True)
+            await asyncio.sleep(args.pause_s)
+    finally:
+        peer.stop()
+    print(side_by_side(ours, theirs, ("litellm",)), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,9 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", type=lambda v: [float(x) for x in v.split(",")], default=[20.0, 50.0, 100.0])
     p.add_argument("--seconds", type=float, default=30.0, help="seconds of load per rate")
     p.add_argument("--idle-s", type=float, default=30.0)
-    p.add_argument("--warmup-s", type=float, default=10.0, help="after the stack is up, before the idle measure")
+    p.add_argument("--warmup-s", type=float, default=20.0,
+                   help=f"load at {WARMUP_RATE:g}/s after the stack is up, before the idle measure (not reported)")
     p.add_argument("--tail-s", type=float, default=3.0, help="after the last stream ended, still counted")
     p.add_argument("--pause-s", type=float, default=5.0, help="between rates")
+    p.add_argument("--peer", choices=("none", "litellm"), default="none",
+                   help="litellm: the same load against LiteLLM's proxy afterwards, and the two side by side")
+    p.add_argument("--peer-venv", type=Path, default=DEFAULT_VENV, help="where LiteLLM is (installed there when missing)")
+    p.add_argument("--peer-workers", type=int, default=1, help="LiteLLM proxy worker processes")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="a setting for every chatplane component")
     p.add_argument("--work-dir", type=Path)
     args = p.parse_args(argv)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="chatplane-bench-"))

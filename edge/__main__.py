@@ -29,6 +29,8 @@ from edge.deps import new_request_id
 from edge.settings import EdgeSettings
 from edge.uvicorn_adapter import bounded_h11_protocol
 from projections.readmodel.schema import ReadModelSettings
+from projections.shared import memtrace
+from projections.shared.malloc_tuning import tune_malloc
 from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
 from schemas.codes import RejectionCode
@@ -132,6 +134,8 @@ def main() -> None:
         exit_on_settings_error(exc)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     install_log_limits()
+    tune_malloc()
+    memtrace.maybe_start("edge")
     if settings.uses_dev_secrets:
         log.warning("development mode: built-in development secrets in use (never outside a development machine)")
     app = create_app(settings)

@@ -37,13 +37,14 @@ from edge.ratelimit import TokenBuckets
 from edge.readmodel import ReadModel
 from edge.routes import generations
 from edge.settings import EdgeSettings
+from edge.shedding import LoadShedder
 from edge.streams import GenerationView, StreamHub
 from edge.presence import PresenceBeacon
 from edge.tokens import input_token_counter
 from projections.shared.catalog import load_catalog
 from projections.shared.command_client import CommandClient
 from projections.shared.gc_tuning import tune_gc
-from projections.shared.kafka_settings import kafka_client_kwargs
+from projections.shared.kafka_settings import producer_kwargs
 from schemas.codes import RequestStatus
 from schemas.messages import ChatMessage
 from schemas.wire import WIRE_CONTENT_MESSAGE_BYTES_MAX
@@ -82,6 +83,12 @@ class Edge:
         self.reader: ReadModel | None = ReadModel() if settings.read_model else None
         # Whether a decision round trip works, probed in the background (edge.admission); reported by
         # GET /healthz/admission, never by /readyz.
+        self.shedder = LoadShedder(
+            settings.shed_decision_age_ms, settings.shed_loop_lag_ms, client=lambda: self.client,
+            latency_target_ms=settings.shed_latency_target_ms, streams_min=settings.shed_streams_min,
+            streams_max=settings.streams_max, held=lambda: len(self.hub.streams),
+        )
+        self.metrics.shed_limit.set(self.shedder.limit)
         self.admission = AdmissionProbe(
             settings.inbox_partition, settings.admission_probe_interval_s, settings.admission_probe_timeout_s,
             self.metrics, client=lambda: self.client,
@@ -100,7 +107,7 @@ class Edge:
         self.hub.client = self.client
         self._producer = AIOKafkaProducer(
             bootstrap_servers=s.kafka_bootstrap, acks="all", linger_ms=0, max_request_size=WIRE_CONTENT_MESSAGE_BYTES_MAX + 4096,
-            **kafka_client_kwargs(),
+            **producer_kwargs(),
         )
         await self._producer.start()
         self.hub.producer = self._producer
@@ -109,12 +116,14 @@ class Edge:
             self._capacity_reader = CapacityReader(s.kafka_bootstrap, s.topology, self.capacity)
             await self._capacity_reader.start()
         self.ready = True
+        self.shedder.start()
         self.admission.start()
         log.info("edge ready inbox_partition=%d edge_id=%s", s.inbox_partition, self.edge_id)
 
     async def stop(self) -> None:
         self.ready = False
         await self.admission.stop()
+        await self.shedder.stop()
         await self.hub.flush_background()
         await self.presence.stop()
         if self._capacity_reader is not None:

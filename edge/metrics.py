@@ -20,6 +20,7 @@ SLOW_CONSUMER_LIMITS = ("stream_bytes", "aggregate_bytes", "result_bytes", "resu
 # (edge.uvicorn_adapter): written out here so this module imports neither.
 ADMISSION_PROBE_RESULTS = ("up", "timeout", "error")
 CONNECTION_CLOSE_REASONS = ("head_timeout", "connections_max")
+SHED_REASONS = ("decisions_late", "edge_busy", "in_flight_limit")  # edge.shedding
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -76,6 +77,15 @@ class EdgeMetrics:
             self.admissions.labels(label)
         for limit in SLOW_CONSUMER_LIMITS:
             self.slow_consumer_cancels.labels(limit)
+        self.shed = Counter(
+            "chatplane_edge_shed", "Submits refused before they were sent, because a decision would come late.",
+            ["reason"], registry=r,
+        )
+        for reason in SHED_REASONS:
+            self.shed.labels(reason)
+        self.shed_limit = Gauge(
+            "chatplane_edge_shed_in_flight_limit", "The adaptive limit on generations held (edge.shedding).", registry=r
+        )
         self.draining = Gauge("chatplane_edge_draining", "1 while this edge drains.", registry=r)
         self.admission_up = Gauge(
             "chatplane_edge_admission_up",

@@ -82,6 +82,15 @@ class EdgeSettings:
     # the deadline, so a 503 quota_service_unavailable never charges. The margin covers the skew
     # between the edge's and the processor's clocks plus the decision's trip back; less than the timeout.
     decision_skew_margin_ms: int = setting("CHATPLANE_EDGE_DECISION_SKEW_MARGIN_MS", 300, ge=0)
+    # Shedding (edge.shedding): a submit is refused at once (503, Retry-After 1) while the oldest
+    # decision this edge awaits has waited longer than the first, or while its event loop runs later
+    # than the second. 0 turns a signal off.
+    shed_decision_age_ms: int = setting("CHATPLANE_EDGE_SHED_DECISION_AGE_MS", 300, ge=0)
+    shed_loop_lag_ms: int = setting("CHATPLANE_EDGE_SHED_LOOP_LAG_MS", 200, ge=0)
+    # The adaptive in-flight limit: a submit decided later than the target (from the POST's arrival)
+    # cuts it, one decided in time raises it; never below the minimum nor above streams_max.
+    shed_latency_target_ms: int = setting("CHATPLANE_EDGE_SHED_LATENCY_TARGET_MS", 150, ge=0)
+    shed_streams_min: int = setting("CHATPLANE_EDGE_SHED_STREAMS_MIN", 8, ge=1)
 
     # Streaming.
     heartbeat_interval_s: float = setting("CHATPLANE_EDGE_HEARTBEAT_INTERVAL_S", 15.0, gt=0)

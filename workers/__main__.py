@@ -30,6 +30,8 @@ from projections.shared.catalog import (
     load_catalog,
 )
 from workers.engines.base import Engine
+from projections.shared import memtrace
+from projections.shared.malloc_tuning import tune_malloc
 from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, env_value, exit_on_settings_error, log_level
 from workers.settings import WorkerSettings
@@ -161,6 +163,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     install_log_limits()
+    tune_malloc()
+    memtrace.maybe_start("worker")
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
     try:
         asyncio.run(amain(args.engine))

@@ -44,7 +44,7 @@ from typing import Any, Protocol, assert_never
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
-from projections.shared.kafka_settings import kafka_client_kwargs
+from projections.shared.kafka_settings import kafka_client_kwargs, reply_fetch_max_wait_ms, producer_kwargs
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, FinishReason, RejectionCode, RequestStatus
 from schemas.commands import ReplyTo
@@ -74,9 +74,8 @@ from workers.settings import WorkerSettings
 
 log = logging.getLogger("chatplane.workers")
 
-DISPATCH_FETCH_TIMEOUT_MS = 100  # one poll of the dispatch topics while a slot is free
-CONTROL_FETCH_TIMEOUT_MS = 50
-CONTROL_FETCH_MAX_WAIT_MS = 5
+DISPATCH_FETCH_TIMEOUT_MS = 500  # one poll of the dispatch topics while a slot is free (the broker answers at the first record)
+CONTROL_FETCH_TIMEOUT_MS = 500
 FENCED_REMEMBERED_MAX = 10_000  # (generation, epoch) pairs stopped before their dispatch was handled
 ABORT_ACK_TIMEOUT_S = 10.0  # an engine that does not acknowledge an abort in this long is broken
 DRAIN_TIMEOUT_S = 30.0  # on shutdown, running attempts get this long before they are aborted
@@ -354,12 +353,12 @@ class Worker:
         await self.engine.start()
         self.producer = AIOKafkaProducer(
             bootstrap_servers=s.kafka_bootstrap, acks="all", enable_idempotence=True, linger_ms=PRODUCER_LINGER_MS,
-            **kafka_client_kwargs(),
+            **producer_kwargs(),
         )
         await self.producer.start()
         self.control_consumer = AIOKafkaConsumer(
             bootstrap_servers=s.kafka_bootstrap, enable_auto_commit=False, auto_offset_reset="latest",
-            fetch_max_wait_ms=CONTROL_FETCH_MAX_WAIT_MS, **kafka_client_kwargs(),
+            fetch_max_wait_ms=reply_fetch_max_wait_ms(), **kafka_client_kwargs(),
         )
         await self.control_consumer.start()
         missing = {self.control.topic, *self.dispatch_topics.values()} - await self.control_consumer.topics()

@@ -220,6 +220,14 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
         raise ApiError(RejectionCode.INVALID_REQUEST, field="model")
     if principal.tier not in model.tiers:
         raise ApiError(RejectionCode.MODEL_NOT_ALLOWED, field="model")
+    # Shed before counting tokens (the costliest check) and before the burst bucket: a submit refused
+    # for the stack's load costs the edge little and the user no burst token.
+    shed = edge.shedder.refusal()
+    if shed is not None:
+        reason, refusal = shed
+        edge.metrics.shed.labels(reason).inc()
+        edge.metrics.admissions.labels(refusal.code.value).inc()
+        raise refusal
     messages = tuple(ChatMessage(role=m.role, content=m.content) for m in req.messages)
     input_tokens = edge.count_tokens(req.model, messages)
     if input_tokens > settings.input_tokens_max:
@@ -257,7 +265,10 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
         # decide_by_ms, and a decision made before that reaches this edge within the margin.
         edge.metrics.admissions.labels(RejectionCode.QUOTA_SERVICE_UNAVAILABLE.value).inc()
         raise ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE) from None
-    edge.metrics.decision_latency.observe(time.monotonic() - received_s)
+    decided_s = time.monotonic() - received_s
+    edge.metrics.decision_latency.observe(decided_s)
+    edge.shedder.observe(decided_s)
+    edge.metrics.shed_limit.set(edge.shedder.limit)
     label = outcome.code.value if outcome.code is not None else outcome.kind.value
     edge.metrics.admissions.labels(label).inc()
     if outcome.kind is OutcomeKind.REJECTED:

@@ -51,7 +51,9 @@ from control_plane.routing import route
 from projections.ledger import faust_adapter
 from projections.shared.gc_tuning import tune_gc
 from projections.shared.kafka_admin import TopologyError, assert_copartitioned, assert_topology
-from projections.shared.kafka_settings import kafka_client_kwargs
+from projections.shared.kafka_settings import kafka_client_kwargs, kafka_compression
+from projections.shared import memtrace
+from projections.shared.malloc_tuning import tune_malloc
 from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
 from projections.ledger.settings import ProcessorSettings
@@ -135,6 +137,7 @@ class AdmissionProcessor:
             broker_heartbeat_interval=settings.session_timeout_s / 4,
             producer_acks=-1,
             producer_linger_ms=1,
+            producer_compression_type=kafka_compression(),
             consumer_auto_offset_reset="earliest",
             processing_guarantee="at_least_once",
             web_enabled=False,
@@ -664,6 +667,8 @@ def main() -> None:
         settings = ProcessorSettings()
     except SettingsError as exc:
         exit_on_settings_error(exc)
+    tune_malloc()
+    memtrace.maybe_start("processor")
     processor = AdmissionProcessor(settings)
     try:
         asyncio.run(processor.check_topology())

@@ -113,6 +113,10 @@ class ReadModelSettings:
     read_deadline_s: float = setting("CHATPLANE_READ_DEADLINE_S", READ_DEADLINE_S_DEFAULT, gt=0)
     # Command ids the projection remembers to skip a redelivering processor's re-sends (writer.py).
     seen_commands_max: int = setting("CHATPLANE_READMODEL_SEEN_COMMANDS_MAX", 100_000, ge=1)
+    # After a poll that found entries, the projection waits this long and polls again before writing,
+    # so that more of one generation's events fold into one UPDATE (issue 14: Cassandra's CPU per
+    # generation). It adds as much to the read model's lag; 0 writes what each poll found.
+    batch_linger_ms: int = setting("CHATPLANE_READMODEL_BATCH_LINGER_MS", 100, ge=0, le=5_000)
 
     def __post_init__(self) -> None:
         # Also checked for values passed from code: the keyspace is interpolated into CQL.

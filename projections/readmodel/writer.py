@@ -48,7 +48,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
 from projections.shared.cassandra import execute
-from projections.shared.kafka_settings import kafka_client_kwargs
+from projections.shared.kafka_settings import kafka_client_kwargs, producer_kwargs
+from projections.shared import memtrace
+from projections.shared.malloc_tuning import tune_malloc
 from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, env_value, exit_on_settings_error
 from projections.readmodel.schema import (
@@ -303,7 +305,7 @@ class ReadModelProjection:
         self._cluster, session = await open_session(self.settings)
         await ensure_schema(session, self.settings)
         self.writer = GenerationWriter(session, self.settings)
-        self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5, **kafka_client_kwargs())
+        self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5, **producer_kwargs())
         await self.producer.start()
         self.consumer = AIOKafkaConsumer(
             self.topology.ledger.name,
@@ -332,11 +334,25 @@ class ReadModelProjection:
         last_log = time.monotonic()
         while not self._stopping.is_set():
             polled = await self.consumer.getmany(timeout_ms=POLL_TIMEOUT_MS, max_records=BATCH_RECORDS_MAX)
+            polled = await self._linger(polled)
             if polled:
                 await self.process(polled)
             if time.monotonic() - last_log > STATS_LOG_INTERVAL_S:
                 last_log = time.monotonic()
                 log.info("readmodel stats %s", self.stats)
+
+    async def _linger(self, polled: dict[TopicPartition, list[Any]]) -> dict[TopicPartition, list[Any]]:
+        """``polled`` plus what arrived within ``batch_linger_ms`` after it (bounded by BATCH_RECORDS_MAX)."""
+        assert self.consumer is not None
+        found = sum(len(records) for records in polled.values())
+        if not found or found >= BATCH_RECORDS_MAX or self.settings.batch_linger_ms <= 0:
+            return polled
+        await asyncio.sleep(self.settings.batch_linger_ms / 1000)
+        more = await self.consumer.getmany(timeout_ms=0, max_records=BATCH_RECORDS_MAX - found)
+        merged = {tp: list(records) for tp, records in polled.items()}
+        for tp, records in more.items():
+            merged.setdefault(tp, []).extend(records)
+        return merged
 
     def _remember(self, command_id: str) -> bool:
         """True the first time a command id is seen (within the bounded memory)."""
@@ -473,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         exit_on_settings_error(exc)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     install_log_limits()
+    tune_malloc()
+    memtrace.maybe_start("readmodel")
     return asyncio.run(_main(args, settings))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -19,7 +20,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from projections.shared.kafka_settings import kafka_client_kwargs
+from projections.shared.kafka_settings import kafka_client_kwargs, reply_fetch_max_wait_ms, producer_kwargs
 from schemas.commands import Command, ReplyTo
 from schemas.messages import Outcome
 from schemas.topics import Topology
@@ -29,7 +30,6 @@ log = logging.getLogger("chatplane.client")
 
 DECISION_TIMEOUT_S = 2.0  # how long a caller waits for a decision before failing closed
 PENDING_DECISIONS_MAX = 10_000  # bound on decisions awaited at once by one client
-INBOX_FETCH_MAX_WAIT_MS = 5
 
 
 class DecisionTimeout(TimeoutError):
@@ -57,6 +57,7 @@ class CommandClient:
         self.on_message = on_message
         self.decision_timeout_s = decision_timeout_s
         self._pending: dict[str, asyncio.Future[Outcome]] = {}
+        self._pending_since: dict[str, float] = {}  # monotonic send time per pending command, oldest first
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -64,13 +65,13 @@ class CommandClient:
 
     async def start(self) -> None:
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, linger_ms=0, **kafka_client_kwargs()
+            bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, linger_ms=0, **producer_kwargs()
         )
         await self._producer.start()
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap,
             enable_auto_commit=False,
-            fetch_max_wait_ms=INBOX_FETCH_MAX_WAIT_MS,
+            fetch_max_wait_ms=reply_fetch_max_wait_ms(),
             auto_offset_reset="latest",
             **kafka_client_kwargs(),
         )
@@ -117,6 +118,7 @@ class CommandClient:
             raise TooManyPending(f"{PENDING_DECISIONS_MAX} decisions already pending")
         fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self._pending[command.command_id] = fut
+        self._pending_since[command.command_id] = time.monotonic()
         try:
             await self.send(command)
             # asyncio.timeout, not wait_for: 3.11's wait_for returns the answer and drops a
@@ -127,6 +129,18 @@ class CommandClient:
             raise DecisionTimeout(f"no decision for {command.type} within {timeout_s or self.decision_timeout_s}s") from None
         finally:
             self._pending.pop(command.command_id, None)
+            self._pending_since.pop(command.command_id, None)
+
+    @property
+    def pending(self) -> int:
+        """Decisions awaited now."""
+        return len(self._pending)
+
+    def oldest_pending_age_s(self) -> float:
+        """How long the oldest decision still awaited has waited (0 when none is)."""
+        for since in self._pending_since.values():  # insertion order: the first is the oldest
+            return time.monotonic() - since
+        return 0.0
 
     async def _read(self) -> None:
         assert self._consumer is not None

@@ -37,6 +37,7 @@ class FakeDecider:
 
     def __init__(self, answer=None) -> None:
         self.commands: list = []
+        self.pending_age_s = 0.0  # what oldest_pending_age_s() says (edge.shedding)
         self.answer = answer or (lambda c: Outcome(command_id=c.command_id, kind=OutcomeKind.REJECTED, code=RejectionCode.QUOTA_EXHAUSTED))
 
     def reply_to(self, request_id: str | None = None) -> ReplyTo:
@@ -51,6 +52,9 @@ class FakeDecider:
 
     async def send(self, command) -> None:
         self.commands.append(command)
+
+    def oldest_pending_age_s(self) -> float:
+        return self.pending_age_s
 
 
 def make(answer=None, **over):
@@ -320,6 +324,74 @@ async def test_draining_edge_refuses_new_work_and_fails_readiness():
         r = await http.post("/v1/generations", json=BODY, headers=hdrs(settings))
     assert_typed(r, RejectionCode.CAPACITY_EXHAUSTED)
     assert fake.commands == []
+
+
+# --- shedding (issue 14) --------------------------------------------------------------------------
+
+
+async def test_late_decisions_shed_a_submit_at_once_without_a_command_or_a_burst_token():
+    settings, app, fake, http = make(shed_decision_age_ms=300, bucket_capacity_tokens=1.0)
+    fake.pending_age_s = 0.301  # the oldest decision this edge awaits is late
+    async with http:
+        shed = await http.post("/v1/generations", json=BODY, headers=hdrs(settings, key="a"))
+        fake.pending_age_s = 0.299
+        admitted = await http.post("/v1/generations", json=BODY, headers=hdrs(settings, key="b"))
+        metrics = (await http.get("/metrics")).text
+    assert_typed(shed, RejectionCode.QUOTA_SERVICE_UNAVAILABLE)
+    assert shed.headers["retry-after"] == "1"
+    # Nothing was sent for the shed one, and its burst token is still there for the next submit.
+    assert [c.idempotency_key for c in fake.commands] == ["b"]
+    assert admitted.json()["error"]["code"] == "quota_exhausted"  # the fake's answer: it was decided
+    assert 'chatplane_edge_shed_total{reason="decisions_late"} 1.0' in metrics
+    assert 'chatplane_edge_shed_total{reason="edge_busy"} 0.0' in metrics
+    assert 'chatplane_edge_shed_total{reason="in_flight_limit"} 0.0' in metrics
+
+
+def test_the_in_flight_limit_falls_on_late_decisions_and_climbs_back_on_timely_ones():
+    from edge.shedding import LoadShedder
+
+    held = [40]
+    shedder = LoadShedder(0, 0, client=lambda: None, latency_target_ms=150, streams_min=8, streams_max=1_000,
+                          held=lambda: held[0])
+    assert shedder.limit == 1_000 and shedder.refusal() is None
+    shedder.observe(0.151)  # late: the limit drops to 0.9 x what is held, at once
+    assert shedder.limit == 36.0
+    reason, err = shedder.refusal()  # 40 held >= 36
+    assert reason == "in_flight_limit" and err.code is RejectionCode.CAPACITY_EXHAUSTED and err.retry_after_s == 1
+    for _ in range(100):
+        shedder.observe(0.5)
+    assert shedder.limit == 8.0  # never below the minimum
+    held[0] = 7
+    assert shedder.refusal() is None
+    shedder.observe(0.05)  # in time, and the limit is in use (7 + 1 >= 8): +1
+    assert shedder.limit == 9.0
+    held[0] = 2
+    shedder.observe(0.05)  # in time but the limit is far from used: unchanged
+    assert shedder.limit == 9.0
+    off = LoadShedder(0, 0, client=lambda: None, latency_target_ms=0, held=lambda: 10**6)
+    off.observe(9.0)
+    assert off.refusal() is None
+
+
+async def test_a_late_event_loop_sheds_as_capacity_exhausted_and_zero_turns_a_signal_off():
+    from edge.shedding import LoadShedder
+
+    shedder = LoadShedder(decision_age_max_ms=300, loop_lag_max_ms=200, client=lambda: None)
+    shedder.start()
+    try:
+        assert shedder.refusal() is None
+        time.sleep(0.35)  # blocks the loop: the probe is overdue while the stall lasts
+        reason, err = shedder.refusal()
+        assert reason == "edge_busy" and err.code is RejectionCode.CAPACITY_EXHAUSTED
+        await asyncio.sleep(0.25)  # the loop runs again: the probe catches up and sees it on time
+        assert shedder.refusal() is None
+    finally:
+        await shedder.stop()
+    off = LoadShedder(decision_age_max_ms=0, loop_lag_max_ms=0, client=lambda: FakeDecider())
+    off.start()
+    time.sleep(0.35)
+    assert off.refusal() is None
+    await off.stop()
 
 
 # --- admission health (issue 13: "up" before it can decide) ---------------------------------------

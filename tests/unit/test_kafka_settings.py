@@ -40,18 +40,44 @@ def client_constructions() -> list[tuple[str, int, ast.Call]]:
     return found
 
 
+def shared_kwargs_of(call: ast.Call) -> set[str]:
+    return {
+        getattr(kw.value.func, "id", "") for kw in call.keywords if kw.arg is None and isinstance(kw.value, ast.Call)
+    }
+
+
 def passes_shared_kwargs(call: ast.Call) -> bool:
-    return any(
-        kw.arg is None and isinstance(kw.value, ast.Call) and getattr(kw.value.func, "id", "") == "kafka_client_kwargs"
-        for kw in call.keywords
-    )
+    """A producer takes producer_kwargs() (the shared kwargs plus its compression), any other client
+    kafka_client_kwargs()."""
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+    return ("producer_kwargs" if name == "AIOKafkaProducer" else "kafka_client_kwargs") in shared_kwargs_of(call)
 
 
 def test_every_kafka_client_in_the_product_is_built_with_the_shared_kwargs():
     constructions = client_constructions()
     assert len(constructions) >= 12  # the walk finds them: edge 2, shared 6, readmodel 2, processor 2, workers 3
     missing = [f"{path}:{line}" for path, line, call in constructions if not passes_shared_kwargs(call)]
-    assert missing == [], f"Kafka clients without **kafka_client_kwargs(): {missing}"
+    assert missing == [], f"Kafka clients without **kafka_client_kwargs() (producers: **producer_kwargs()): {missing}"
+
+
+def test_producer_kwargs_are_the_shared_ones_plus_the_compression(monkeypatch):
+    from projections.shared.kafka_settings import producer_kwargs
+
+    monkeypatch.delenv("CHATPLANE_KAFKA_COMPRESSION", raising=False)
+    assert producer_kwargs() == {**kafka_client_kwargs(), "compression_type": "lz4"}
+    monkeypatch.setenv("CHATPLANE_KAFKA_COMPRESSION", "none")
+    assert producer_kwargs()["compression_type"] is None
+    monkeypatch.setenv("CHATPLANE_KAFKA_COMPRESSION", "brotli")
+    with pytest.raises(SystemExit, match="CHATPLANE_KAFKA_COMPRESSION='brotli'"):
+        producer_kwargs()
+
+
+async def test_every_codec_offered_is_usable_by_aiokafka():
+    from projections.shared.kafka_settings import KAFKA_COMPRESSIONS
+
+    for codec in KAFKA_COMPRESSIONS:
+        producer = AIOKafkaProducer(bootstrap_servers=BOOTSTRAP, compression_type=None if codec == "none" else codec)
+        await producer.stop()  # the constructor refuses a codec whose library is missing
 
 
 async def test_the_shared_kwargs_reach_every_retry_loop_of_the_clients():
@@ -86,6 +112,7 @@ async def test_the_processors_faust_clients_carry_the_shared_backoff():
         # faust's own settings are still there (the adapter extends them, it does not replace them)
         assert consumer._group_instance_id == processor.settings.instance_id
         assert producer._sender._acks == -1  # the processor's producer_acks=-1
+        assert producer._compression_type == "lz4"  # CHATPLANE_KAFKA_COMPRESSION's default reaches faust's producer
     finally:
         await consumer.stop()
         await producer.stop()

@@ -153,3 +153,38 @@ def test_parse_time_accepts_iso_and_ms():
     assert parse_time_ms("1762441200000") == 1_762_441_200_000
     with pytest.raises(ValueError):
         parse_time_ms("yesterday")
+
+
+class _Polls:
+    """Stands in for the projection's consumer: answers getmany from a list of prepared polls."""
+
+    def __init__(self, *polls):
+        self.polls = list(polls)
+        self.calls = []
+
+    async def getmany(self, *parts, timeout_ms=0, max_records=None):
+        self.calls.append((timeout_ms, max_records))
+        return self.polls.pop(0) if self.polls else {}
+
+
+async def test_a_poll_that_found_entries_lingers_and_merges_what_came_next_in_order():
+    import time
+
+    from aiokafka import TopicPartition
+
+    from projections.readmodel.writer import BATCH_RECORDS_MAX, ReadModelProjection
+    from schemas.topics import Topology
+
+    a, b = TopicPartition("ledger", 0), TopicPartition("ledger", 1)
+    projection = ReadModelProjection("127.0.0.1:1", Topology(""), ReadModelSettings(batch_linger_ms=50))
+    projection.consumer = _Polls({a: ["a1"]}, {a: ["a2"], b: ["b1"]})
+    started = time.monotonic()
+    merged = await projection._linger(await projection.consumer.getmany())
+    assert time.monotonic() - started >= 0.05
+    assert merged == {a: ["a1", "a2"], b: ["b1"]}
+    assert projection.consumer.calls[-1] == (0, BATCH_RECORDS_MAX - 1)  # bounded by what the batch still takes
+    # Nothing found, or lingering off: no wait, no second poll.
+    for settings, first in ((ReadModelSettings(batch_linger_ms=50), {}), (ReadModelSettings(batch_linger_ms=0), {a: ["x"]})):
+        projection = ReadModelProjection("127.0.0.1:1", Topology(""), settings)
+        projection.consumer = _Polls({a: ["late"]})
+        assert await projection._linger(first) == first and projection.consumer.calls == []

@@ -1,0 +1,70 @@
+"""projections.shared.malloc_tuning and projections.shared.memtrace: the soak's memory settings and
+diagnostics (each run in a fresh interpreter, so the test process keeps its own allocator and tracer)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TUNE = """
+import threading
+from projections.shared.malloc_tuning import tune_malloc
+print(tune_malloc(), sorted(t.name for t in threading.enumerate() if t.name == "malloc-trim"))
+"""
+
+TRACE = """
+import time, tracemalloc
+from projections.shared import memtrace
+print(memtrace.maybe_start("unit"), tracemalloc.is_tracing())
+keep = [bytes(1000) for _ in range(2000)]
+time.sleep(1.0)
+"""
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CHATPLANE_")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**base, **env},
+                          timeout=60)
+
+
+def test_defaults_cap_the_arenas_and_start_the_trim_thread():
+    out = run(TUNE)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split(None, 1) == ["True", "['malloc-trim']\n"]
+
+
+def test_zero_changes_nothing():
+    out = run(TUNE, CHATPLANE_MALLOC_ARENA_MAX="0", CHATPLANE_MALLOC_TRIM_INTERVAL_S="0")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split(None, 1) == ["False", "[]\n"]
+
+
+def test_a_bad_value_stops_the_process_naming_the_variable():
+    out = run(TUNE, CHATPLANE_MALLOC_TRIM_INTERVAL_S="soon")
+    assert out.returncode != 0
+    assert "CHATPLANE_MALLOC_TRIM_INTERVAL_S='soon'" in out.stderr
+
+
+def test_memtrace_is_off_unless_a_directory_is_named():
+    out = run(TRACE)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_memtrace_writes_snapshots_that_the_diff_reads(tmp_path):
+    out = run(TRACE, CHATPLANE_MEMTRACE_DIR=str(tmp_path), CHATPLANE_MEMTRACE_INTERVAL_S="0.2",
+              CHATPLANE_MEMTRACE_SNAPSHOTS_MAX="3")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
+    snaps = sorted(tmp_path.glob("unit-*.snap"))
+    assert len(snaps) == 3  # bounded by SNAPSHOTS_MAX although the process lived for 5 intervals
+    assert sum(t.size for t in tracemalloc.Snapshot.load(str(snaps[-1])).traces) > 2_000_000
+    diff = subprocess.run([sys.executable, "-m", "projections.shared.memtrace", str(snaps[0]), str(snaps[-1]), "--top", "3"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert diff.returncode == 0, diff.stderr
+    assert diff.stdout.startswith("total diff ")
