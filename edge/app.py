@@ -81,14 +81,15 @@ class Edge:
         self._capacity_reader: CapacityReader | None = None
         self._producer: AIOKafkaProducer | None = None
         self.reader: ReadModel | None = ReadModel() if settings.read_model else None
-        # Whether a decision round trip works, probed in the background (edge.admission); reported by
-        # GET /healthz/admission, never by /readyz.
+        # Refuses submits at once while their decision would come late (edge.shedding).
         self.shedder = LoadShedder(
             settings.shed_decision_age_ms, settings.shed_loop_lag_ms, client=lambda: self.client,
             latency_target_ms=settings.shed_latency_target_ms, streams_min=settings.shed_streams_min,
             streams_max=settings.streams_max, held=lambda: len(self.hub.streams),
         )
         self.metrics.shed_limit.set(self.shedder.limit)
+        # Whether a decision round trip works, probed in the background (edge.admission); reported by
+        # GET /healthz/admission, never by /readyz.
         self.admission = AdmissionProbe(
             settings.inbox_partition, settings.admission_probe_interval_s, settings.admission_probe_timeout_s,
             self.metrics, client=lambda: self.client,

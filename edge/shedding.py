@@ -15,10 +15,11 @@ submit path, before anything is sent or counted against the user:
   happens): the edge itself cannot serve more. Refused ``503 capacity_exhausted``, Retry-After 1.
 
 - **too much work in flight** (adaptive, additive-increase / multiplicative-decrease): the edge holds
-  a limit on the generations it holds at once. A submit decided later than
-  ``CHATPLANE_EDGE_SHED_LATENCY_TARGET_MS`` (from the POST's arrival) cuts the limit to 0.9 x the
-  generations held then; each one decided in time while the limit is in use raises it by one. A
-  submit arriving while the edge holds ``limit`` generations is refused ``503 capacity_exhausted``.
+  a limit on the generations it holds plus the submits it awaits decisions for. A submit whose
+  decision round trip (from its append) took longer than ``CHATPLANE_EDGE_SHED_LATENCY_TARGET_MS``,
+  or timed out, cuts the limit to 0.9 x what is in flight then (at most one cut per
+  ``CUT_SPACING_TARGETS`` targets); each one decided in time while the limit is in use raises it by
+  one. A submit arriving while ``limit`` are in flight is refused ``503 capacity_exhausted``.
   The limit never falls below ``CHATPLANE_EDGE_SHED_STREAMS_MIN`` nor rises above
   ``CHATPLANE_EDGE_STREAMS_MAX``. This is the signal that caps the work that costs CPU after the
   decision (the streams), which the other two see only once the machine is already behind.
@@ -42,9 +43,12 @@ from schemas.codes import RejectionCode
 
 LAG_PROBE_INTERVAL_S = 0.1
 SHED_RETRY_AFTER_S = 1
-
-
 DECREASE_FACTOR = 0.9
+# At most one cut of the in-flight limit per this many latency targets: the decisions late in one
+# burst are one signal, not one each (a one-second processor pause at 50/s would otherwise make ~50
+# cuts and collapse the limit to its minimum).
+CUT_SPACING_TARGETS = 4
+DECISIONS_LATE, EDGE_BUSY, IN_FLIGHT_LIMIT = SHED_REASONS
 
 
 class LoadShedder:
@@ -66,6 +70,8 @@ class LoadShedder:
         self.latency_target_s = latency_target_ms / 1000
         self.streams_min, self.streams_max = max(1, streams_min), max(1, streams_min, streams_max)
         self.limit = float(self.streams_max)
+        self.deciding = 0  # submits sent and not yet decided (they become held streams if admitted)
+        self._last_cut = -float("inf")
         self._client = client
         self._held = held
         self.loop_lag_s = 0.0  # how late the last lag probe ran
@@ -84,21 +90,29 @@ class LoadShedder:
         if self.decision_age_max_s > 0:
             client = self._client()
             if client is not None and client.oldest_pending_age_s() > self.decision_age_max_s:
-                return SHED_REASONS[0], ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE, retry_after_s=SHED_RETRY_AFTER_S)
+                return DECISIONS_LATE, ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE, retry_after_s=SHED_RETRY_AFTER_S)
         if self.loop_lag_max_s > 0 and self.lag_s() > self.loop_lag_max_s:
-            return SHED_REASONS[1], ApiError(RejectionCode.CAPACITY_EXHAUSTED, retry_after_s=SHED_RETRY_AFTER_S)
-        if self.latency_target_s > 0 and self._held() >= int(self.limit):
-            return SHED_REASONS[2], ApiError(RejectionCode.CAPACITY_EXHAUSTED, retry_after_s=SHED_RETRY_AFTER_S)
+            return EDGE_BUSY, ApiError(RejectionCode.CAPACITY_EXHAUSTED, retry_after_s=SHED_RETRY_AFTER_S)
+        if self.latency_target_s > 0 and self.in_flight() >= int(self.limit):
+            return IN_FLIGHT_LIMIT, ApiError(RejectionCode.CAPACITY_EXHAUSTED, retry_after_s=SHED_RETRY_AFTER_S)
         return None
 
-    def observe(self, decision_s: float) -> None:
-        """A submit was decided ``decision_s`` after its POST arrived: adjust the in-flight limit."""
+    def in_flight(self) -> int:
+        """Generations held plus submits awaiting their decision."""
+        return self._held() + self.deciding
+
+    def observe(self, round_trip_s: float) -> None:
+        """A submit's decision took ``round_trip_s`` from its append (a timeout: pass the wait); adjust the
+        in-flight limit. Only the round trip counts, never the client's upload or the edge's own checks."""
         if self.latency_target_s <= 0:
             return
-        held = self._held()
-        if decision_s > self.latency_target_s:
-            self.limit = max(float(self.streams_min), min(self.limit, held) * DECREASE_FACTOR)
-        elif held + 1 >= self.limit:
+        in_flight = self.in_flight()
+        now = time.monotonic()
+        if round_trip_s > self.latency_target_s:
+            if now - self._last_cut >= CUT_SPACING_TARGETS * self.latency_target_s:
+                self._last_cut = now
+                self.limit = float(max(self.streams_min, int(min(self.limit, in_flight) * DECREASE_FACTOR)))
+        elif in_flight + 1 >= int(self.limit):
             self.limit = min(float(self.streams_max), self.limit + 1)
 
     async def _probe(self) -> None:

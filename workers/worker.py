@@ -74,7 +74,10 @@ from workers.settings import WorkerSettings
 
 log = logging.getLogger("chatplane.workers")
 
-DISPATCH_FETCH_TIMEOUT_MS = 500  # one poll of the dispatch topics while a slot is free (the broker answers at the first record)
+# One poll of the dispatch topics while a slot is free. Kept short although the broker answers a long
+# poll at the first record: aiokafka 0.14 sends no second fetch to a broker while one is in flight,
+# so a partition drained by max_records=1 would wait for the long poll on the others to return.
+DISPATCH_FETCH_TIMEOUT_MS = 100
 CONTROL_FETCH_TIMEOUT_MS = 500
 FENCED_REMEMBERED_MAX = 10_000  # (generation, epoch) pairs stopped before their dispatch was handled
 ABORT_ACK_TIMEOUT_S = 10.0  # an engine that does not acknowledge an abort in this long is broken

@@ -258,16 +258,21 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
         reader_id=edge.edge_id,
         reply_to=edge.client.reply_to(request_id),
     )
+    sent_s = time.monotonic()
+    edge.shedder.deciding += 1
     try:
         outcome: Outcome = await edge.client.decide(command, timeout_s=settings.decision_timeout_s)
     except (DecisionTimeout, TooManyPending):
         # Fail closed. Nothing is charged: the processor refuses this submit if it reads it after
         # decide_by_ms, and a decision made before that reaches this edge within the margin.
         edge.metrics.admissions.labels(RejectionCode.QUOTA_SERVICE_UNAVAILABLE.value).inc()
+        edge.shedder.observe(time.monotonic() - sent_s)
+        edge.metrics.shed_limit.set(edge.shedder.limit)
         raise ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE) from None
-    decided_s = time.monotonic() - received_s
-    edge.metrics.decision_latency.observe(decided_s)
-    edge.shedder.observe(decided_s)
+    finally:
+        edge.shedder.deciding -= 1
+    edge.metrics.decision_latency.observe(time.monotonic() - received_s)
+    edge.shedder.observe(time.monotonic() - sent_s)
     edge.metrics.shed_limit.set(edge.shedder.limit)
     label = outcome.code.value if outcome.code is not None else outcome.kind.value
     edge.metrics.admissions.labels(label).inc()

@@ -347,11 +347,14 @@ class ReadModelProjection:
         found = sum(len(records) for records in polled.values())
         if not found or found >= BATCH_RECORDS_MAX or self.settings.batch_linger_ms <= 0:
             return polled
-        await asyncio.sleep(self.settings.batch_linger_ms / 1000)
-        more = await self.consumer.getmany(timeout_ms=0, max_records=BATCH_RECORDS_MAX - found)
         merged = {tp: list(records) for tp, records in polled.items()}
-        for tp, records in more.items():
-            merged.setdefault(tp, []).extend(records)
+        deadline = time.monotonic() + self.settings.batch_linger_ms / 1000
+        # Poll until the deadline: one fetch answers at its first new record (fetch_min_bytes=1).
+        while found < BATCH_RECORDS_MAX and (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            more = await self.consumer.getmany(timeout_ms=left_ms, max_records=BATCH_RECORDS_MAX - found)
+            for tp, records in more.items():
+                merged.setdefault(tp, []).extend(records)
+                found += len(records)
         return merged
 
     def _remember(self, command_id: str) -> bool:

@@ -54,8 +54,11 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):
         log.info("not glibc: malloc settings left as they are")
         return False
-    if arena_max > 0:
-        mallopt(M_ARENA_MAX, arena_max)
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    if arena_max > 0 and mallopt(M_ARENA_MAX, arena_max) != 1:  # glibc: 1 on success
+        log.warning("mallopt(M_ARENA_MAX, %d) refused: arenas left as they are", arena_max)
+        arena_max = 0
     if trim_interval_s > 0:
         stop = threading.Event()
 

@@ -18,14 +18,25 @@ from pathlib import Path
 
 
 
+def _number(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise SystemExit(f"{name}={raw!r}: expected a number > 0")
+    return value
+
+
 def maybe_start(component: str) -> bool:
     """Start the snapshot thread when ``CHATPLANE_MEMTRACE_DIR`` is set; True when it was."""
     directory = os.environ.get("CHATPLANE_MEMTRACE_DIR")
     if not directory:
         return False
-    frames = int(os.environ.get("CHATPLANE_MEMTRACE_FRAMES") or 8)
-    interval_s = float(os.environ.get("CHATPLANE_MEMTRACE_INTERVAL_S") or 60)
-    snapshots_max = int(os.environ.get("CHATPLANE_MEMTRACE_SNAPSHOTS_MAX") or 60)
+    frames = int(_number("CHATPLANE_MEMTRACE_FRAMES", 8))
+    interval_s = _number("CHATPLANE_MEMTRACE_INTERVAL_S", 60)
+    snapshots_max = int(_number("CHATPLANE_MEMTRACE_SNAPSHOTS_MAX", 60))
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     tracemalloc.start(max(1, frames))

@@ -347,27 +347,45 @@ async def test_late_decisions_shed_a_submit_at_once_without_a_command_or_a_burst
     assert 'chatplane_edge_shed_total{reason="in_flight_limit"} 0.0' in metrics
 
 
-def test_the_in_flight_limit_falls_on_late_decisions_and_climbs_back_on_timely_ones():
+def test_the_in_flight_limit_falls_on_late_decisions_and_climbs_back_on_timely_ones(monkeypatch):
+    from edge import shedding
     from edge.shedding import LoadShedder
 
-    held = [40]
+    clock = [1_000.0]
+    monkeypatch.setattr(shedding.time, "monotonic", lambda: clock[0])
+    held = [41]
     shedder = LoadShedder(0, 0, client=lambda: None, latency_target_ms=150, streams_min=8, streams_max=1_000,
                           held=lambda: held[0])
     assert shedder.limit == 1_000 and shedder.refusal() is None
-    shedder.observe(0.151)  # late: the limit drops to 0.9 x what is held, at once
+    shedder.observe(0.151)  # late: the limit drops to 0.9 x what is in flight, at once (whole)
     assert shedder.limit == 36.0
-    reason, err = shedder.refusal()  # 40 held >= 36
+    reason, err = shedder.refusal()  # 41 held >= 36
     assert reason == "in_flight_limit" and err.code is RejectionCode.CAPACITY_EXHAUSTED and err.retry_after_s == 1
+    held[0] = 30
+    for _ in range(50):  # the rest of the same burst: one signal, no further cut
+        shedder.observe(0.5)
+    assert shedder.limit == 36.0
+    clock[0] += 0.6  # four targets later: one more cut, from what is in flight
+    shedder.observe(0.5)
+    assert shedder.limit == 27.0
     for _ in range(100):
+        clock[0] += 1.0
         shedder.observe(0.5)
     assert shedder.limit == 8.0  # never below the minimum
-    held[0] = 7
-    assert shedder.refusal() is None
-    shedder.observe(0.05)  # in time, and the limit is in use (7 + 1 >= 8): +1
+    # Climbing back, one submit at a time: admitted while in flight < limit, +1 when the limit is in use.
+    held[0] = 6
+    shedder.deciding = 1  # a submit awaiting its decision counts as in flight
+    assert shedder.in_flight() == 7 and shedder.refusal() is None
+    shedder.observe(0.05)
     assert shedder.limit == 9.0
-    held[0] = 2
+    for n in range(10):
+        held[0] = int(shedder.limit) - 2
+        assert shedder.refusal() is None
+        shedder.observe(0.05)
+    assert shedder.limit == 19.0
+    held[0], shedder.deciding = 2, 0
     shedder.observe(0.05)  # in time but the limit is far from used: unchanged
-    assert shedder.limit == 9.0
+    assert shedder.limit == 19.0
     off = LoadShedder(0, 0, client=lambda: None, latency_target_ms=0, held=lambda: 10**6)
     off.observe(9.0)
     assert off.refusal() is None
@@ -387,7 +405,9 @@ async def test_a_late_event_loop_sheds_as_capacity_exhausted_and_zero_turns_a_si
         assert shedder.refusal() is None
     finally:
         await shedder.stop()
-    off = LoadShedder(decision_age_max_ms=0, loop_lag_max_ms=0, client=lambda: FakeDecider())
+    late = FakeDecider()
+    late.pending_age_s = 10.0  # would shed if the signal were on
+    off = LoadShedder(decision_age_max_ms=0, loop_lag_max_ms=0, client=lambda: late)
     off.start()
     time.sleep(0.35)
     assert off.refusal() is None

@@ -98,7 +98,8 @@ async def test_the_shared_kwargs_reach_every_retry_loop_of_the_clients():
         await admin.close()
 
 
-async def test_the_processors_faust_clients_carry_the_shared_backoff():
+async def test_the_processors_faust_clients_carry_the_shared_backoff(monkeypatch):
+    monkeypatch.delenv("CHATPLANE_KAFKA_COMPRESSION", raising=False)
     from projections.ledger.processor import AdmissionProcessor
     from projections.ledger.settings import ProcessorSettings
 

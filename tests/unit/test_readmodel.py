@@ -4,6 +4,8 @@ aggregation, and the read-model settings. No servers."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from projections.readmodel.writer import fold_entry, merge_batch, update_cql
@@ -164,7 +166,10 @@ class _Polls:
 
     async def getmany(self, *parts, timeout_ms=0, max_records=None):
         self.calls.append((timeout_ms, max_records))
-        return self.polls.pop(0) if self.polls else {}
+        if self.polls:
+            return self.polls.pop(0)
+        await asyncio.sleep(timeout_ms / 1000)  # nothing more arrives within the wait
+        return {}
 
 
 async def test_a_poll_that_found_entries_lingers_and_merges_what_came_next_in_order():
@@ -177,12 +182,13 @@ async def test_a_poll_that_found_entries_lingers_and_merges_what_came_next_in_or
 
     a, b = TopicPartition("ledger", 0), TopicPartition("ledger", 1)
     projection = ReadModelProjection("127.0.0.1:1", Topology(""), ReadModelSettings(batch_linger_ms=50))
-    projection.consumer = _Polls({a: ["a1"]}, {a: ["a2"], b: ["b1"]})
+    projection.consumer = _Polls({a: ["a1"]}, {a: ["a2"], b: ["b1"]}, {b: ["b2"]})
     started = time.monotonic()
     merged = await projection._linger(await projection.consumer.getmany())
-    assert time.monotonic() - started >= 0.05
-    assert merged == {a: ["a1", "a2"], b: ["b1"]}
-    assert projection.consumer.calls[-1] == (0, BATCH_RECORDS_MAX - 1)  # bounded by what the batch still takes
+    assert 0.045 <= time.monotonic() - started < 1.0  # polled until the linger's deadline (to the ms), not past it
+    assert merged == {a: ["a1", "a2"], b: ["b1", "b2"]}  # each partition's records in the order polled
+    # Each poll is bounded by what the batch still takes.
+    assert [m for _, m in projection.consumer.calls[1:4]] == [BATCH_RECORDS_MAX - 1, BATCH_RECORDS_MAX - 3, BATCH_RECORDS_MAX - 4]
     # Nothing found, or lingering off: no wait, no second poll.
     for settings, first in ((ReadModelSettings(batch_linger_ms=50), {}), (ReadModelSettings(batch_linger_ms=0), {a: ["x"]})):
         projection = ReadModelProjection("127.0.0.1:1", Topology(""), settings)
