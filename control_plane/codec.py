@@ -7,12 +7,13 @@ rebalance, so it favours exactness over speed (embedded events go through ``sche
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import orjson
 
 from control_plane.aggregate import Aggregate, Remembered
-from control_plane.state import Attempt, QuotaWindow, RequestRecord, Reservation, UsageEntry, UserLedger
+from control_plane.state import Attempt, QuotaWindow, RequestRecord, Reservation, UsageEntry, UserLedger, reservation_id
 from schemas.codes import CancelReason, RejectionCode, RequestStatus, ReservationState, Tier
 from schemas.commands import ReplyTo
 
@@ -65,16 +66,48 @@ def load_record(d: dict[str, Any]) -> RequestRecord:
     )
 
 
+def _fold_settled(d: dict[str, Any]) -> tuple[dict[int, QuotaWindow], dict[str, Reservation]]:
+    """Windows and RESERVED reservations; settled ones of an older stored state become counters.
+
+    States written before settled reservations left the hot value (2026-12-05) kept every consumed
+    and released reservation of a retained window beside the window's ``used`` and ``reserved``
+    counters (``used`` already counted the consumed ones); their ``released`` count is taken from the
+    released ones, and every settled reservation is dropped.
+    """
+    released: dict[int, int] = {}
+    reservations: dict[str, Reservation] = {}
+    for key, v in d["reservations"].items():
+        state = ReservationState(v["state"])
+        if state is ReservationState.RESERVED:
+            reservations[key] = Reservation(
+                v["reservation_id"], v["generation_id"], v["epoch"], v["window_start_ms"], state, v["reconcile_deadline_ms"]
+            )
+        elif state is ReservationState.RELEASED:
+            released[v["window_start_ms"]] = released.get(v["window_start_ms"], 0) + 1
+    windows = {}
+    for key, v in d["windows"].items():
+        start = int(key)
+        windows[start] = QuotaWindow(**{**v, "released": v.get("released", released.get(start, 0))})
+    return windows, reservations
+
+
 def load_ledger(d: dict[str, Any]) -> UserLedger:
     """A ``UserLedger`` from its decoded JSON document."""
+    windows, reservations = _fold_settled(d)
+    requests = {k: load_record(v) for k, v in d["requests"].items()}
+    for key, record in requests.items():
+        attempt = record.attempt
+        if attempt is not None and attempt.window_start_ms == 0:
+            # An attempt written before it named its window (2026-12-02): its reservation does.
+            held = d["reservations"].get(reservation_id(record.generation_id, attempt.epoch))
+            if held is not None:
+                requests[key] = replace(record, attempt=replace(attempt, window_start_ms=held["window_start_ms"]))
     return UserLedger(
         user_id=d["user_id"],
-        requests={k: load_record(v) for k, v in d["requests"].items()},
+        requests=requests,
         by_generation=dict(d["by_generation"]),
-        windows={int(k): QuotaWindow(**v) for k, v in d["windows"].items()},
-        reservations={
-            k: Reservation(**{**v, "state": ReservationState(v["state"])}) for k, v in d["reservations"].items()
-        },
+        windows=windows,
+        reservations=reservations,
         slots={int(k): v for k, v in d["slots"].items()},
         usage={k: UsageEntry(**v) for k, v in d["usage"].items()},
         last_event_ms=d["last_event_ms"],

@@ -25,7 +25,6 @@ from schemas.codes import (
     FinishOutcome,
     RejectionCode,
     RequestStatus,
-    ReservationState,
     SlotReleaseReason,
 )
 from schemas.commands import (
@@ -600,11 +599,10 @@ def _record_usage(
 ) -> None:
     if usage_key(record.generation_id, record.epoch) in state.usage:
         return
-    reservation = state.reservations.get(reservation_id(record.generation_id, record.epoch))
-    if reservation is not None:
-        window_start_ms = reservation.window_start_ms
-    else:  # the window was retired while the generation ran
-        window_start_ms = record.attempt.window_start_ms if record.attempt is not None else 0
+    # The attempt names the window its reservation was charged to (the reservation itself is gone
+    # once consumed, and the window may have been retired while the generation ran).
+    assert record.attempt is not None
+    window_start_ms = record.attempt.window_start_ms
     out.emit(
         ev.UsageRecorded,
         record.generation_id,
@@ -722,13 +720,12 @@ def _reconcile(state: UserLedger, c: ReconcileDue, policy: Policy, out: _Emitter
     for window in state.windows.values():
         # A window is retained while any reservation in it is unresolved, even past its end.
         if window.window_end_ms <= now and window.reserved == 0:
-            released = sum(
-                1
-                for r in state.reservations.values()
-                if r.window_start_ms == window.window_start_ms and r.state is ReservationState.RELEASED
-            )
             out.emit(
-                ev.QuotaWindowRetired, "", window_start_ms=window.window_start_ms, used=window.used, released=released
+                ev.QuotaWindowRetired,
+                "",
+                window_start_ms=window.window_start_ms,
+                used=window.used,
+                released=window.released,
             )
     kind = OutcomeKind.APPLIED if out.events else OutcomeKind.EXISTING
     return out.decision(kind)

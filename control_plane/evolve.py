@@ -135,26 +135,37 @@ def _accepted(state: UserLedger, e: ev.AttemptAccepted) -> UserLedger:
     return _update(state, e, status=RequestStatus.RUNNING, attempt=attempt)
 
 
-def _settle_reservation(state: UserLedger, reservation_id: str, to: ReservationState, evidence: str) -> UserLedger:
+def _settle_reservation(state: UserLedger, reservation_id: str, to: ReservationState) -> UserLedger:
+    """Drop a RESERVED reservation and count it in its window as consumed or released.
+
+    A settled reservation is never read again by ``decide`` (a usage record names the window from
+    the attempt), so it is not kept: the state holds only what is still RESERVED.
+    """
     reservation = state.reservations.get(reservation_id)
     if reservation is None:
         return state
     reservations = dict(state.reservations)
-    reservations[reservation_id] = replace(reservation, state=to, evidence=evidence)
+    del reservations[reservation_id]
     window = state.windows.get(reservation.window_start_ms)
     windows = state.windows
     if window is not None:
-        used = window.used + (1 if to is ReservationState.CONSUMED else 0)
-        windows = _put_window(state, replace(window, reserved=window.reserved - 1, used=used))
+        consumed = to is ReservationState.CONSUMED
+        window = replace(
+            window,
+            reserved=window.reserved - 1,
+            used=window.used + (1 if consumed else 0),
+            released=window.released + (0 if consumed else 1),
+        )
+        windows = _put_window(state, window)
     return replace(state, reservations=reservations, windows=windows)
 
 
 def _consumed(state: UserLedger, e: ev.ReservationConsumed) -> UserLedger:
-    return _settle_reservation(state, e.reservation_id, ReservationState.CONSUMED, e.command_id)
+    return _settle_reservation(state, e.reservation_id, ReservationState.CONSUMED)
 
 
 def _released(state: UserLedger, e: ev.ReservationReleased) -> UserLedger:
-    return _settle_reservation(state, e.reservation_id, ReservationState.RELEASED, e.reason.value)
+    return _settle_reservation(state, e.reservation_id, ReservationState.RELEASED)
 
 
 def _declined(state: UserLedger, e: ev.AttemptDeclined) -> UserLedger:

@@ -43,22 +43,17 @@ def check_state(state: UserLedger, concurrency_limit: int | None = None, event_i
     def bad(invariant: int, message: str) -> None:
         found.append(Violation(invariant, message, user, event_id))
 
-    counts: Counter[tuple[int, ReservationState]] = Counter(
-        (r.window_start_ms, r.state) for r in state.reservations.values()
-    )
+    held: Counter[int] = Counter(r.window_start_ms for r in state.reservations.values())
     for start, window in state.windows.items():
         if window.used + window.reserved > window.limit:
             bad(1, f"window {start}: used {window.used} + reserved {window.reserved} > limit {window.limit}")
-        if window.used < 0 or window.reserved < 0:
-            bad(1, f"window {start}: negative counter used={window.used} reserved={window.reserved}")
-        consumed, reserved = counts[(start, ReservationState.CONSUMED)], counts[(start, ReservationState.RESERVED)]
-        if window.used != consumed or window.reserved != reserved:
-            bad(
-                2,
-                f"window {start}: counters used={window.used} reserved={window.reserved} but reservations "
-                f"consumed={consumed} reserved={reserved}",
-            )
+        if window.used < 0 or window.reserved < 0 or window.released < 0:
+            bad(1, f"window {start}: negative counter used={window.used} reserved={window.reserved} released={window.released}")
+        if window.reserved != held[start]:
+            bad(2, f"window {start}: counter reserved={window.reserved} but {held[start]} reservations held")
     for reservation in state.reservations.values():
+        if reservation.state is not ReservationState.RESERVED:
+            bad(2, f"reservation {reservation.reservation_id} is {reservation.state} but still held")
         if reservation.window_start_ms not in state.windows:
             bad(2, f"reservation {reservation.reservation_id} references a retired window")
     if concurrency_limit is not None and len(state.slots) > concurrency_limit:
@@ -104,8 +99,10 @@ class InvariantMonitor:
     _history: dict[str, _History] = field(default_factory=dict)
     _settled: dict[str, ReservationState] = field(default_factory=dict)
     _seen_ids: dict[str, bytes] = field(default_factory=dict)
-    # (user, window start) -> (limit, reservations consumed in it so far). Outlives the window's
-    # retirement, which drops the live counters but not the entitlement (invariant 1 across time).
+    # (user, window start) -> [limit, reservations consumed, reservations released] so far. Outlives
+    # the window's retirement, which drops the live counters but not the entitlement (invariant 1
+    # across time). The state keeps only counters for settled reservations, so invariant 2's check of
+    # ``used`` and ``released`` is against these counts from the event history.
     _window_spent: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     events_seen: int = 0
     duplicates_skipped: int = 0
@@ -123,6 +120,20 @@ class InvariantMonitor:
             users[event.user_id] = event.event_id
         for user_id, last_event_id in users.items():
             found.extend(check_state(self.states[user_id], self.concurrency_limit, last_event_id))
+            found.extend(self._check_counters(self.states[user_id], last_event_id))
+        return found
+
+    def _check_counters(self, state: UserLedger, event_id: str | None = None) -> list[Violation]:
+        """Invariant 2 for settled reservations: each live window counts what the history settled in it."""
+        found: list[Violation] = []
+        for start, window in state.windows.items():
+            _, consumed, released = self._window_spent.get((state.user_id, start), (0, 0, 0))
+            if window.used != consumed or window.released != released:
+                message = (
+                    f"window {start}: counters used={window.used} released={window.released} but the history "
+                    f"consumed={consumed} released={released}"
+                )
+                found.append(Violation(2, message, state.user_id, event_id))
         return found
 
     def observe(self, event: ev.Event) -> list[Violation]:
@@ -149,6 +160,7 @@ class InvariantMonitor:
         found: list[Violation] = []
         for state in self.states.values():
             found.extend(check_state(state, self.concurrency_limit))
+            found.extend(self._check_counters(state))
         return found
 
     def _check_key(self, e: ev.Event, bad: Callable[[int, str], None]) -> None:
@@ -184,17 +196,27 @@ class InvariantMonitor:
         self._check_key(e, bad)
         history = self._history.get(e.generation_id)
         if isinstance(e, ev.GenerationAdmitted):
-            spent = self._window_spent.setdefault((e.user_id, e.window_start_ms), [e.window_limit, 0])
+            spent = self._window_spent.setdefault((e.user_id, e.window_start_ms), [e.window_limit, 0, 0])
             live = self.states.get(e.user_id)
             window = live.windows.get(e.window_start_ms) if live is not None else None
             reserved = window.reserved if window is not None else 0
             if spent[1] + reserved + 1 > spent[0]:
                 bad(1, f"window {e.window_start_ms}: {spent[1]} consumed + {reserved + 1} reserved > limit {spent[0]}")
         elif isinstance(e, ev.ReservationConsumed):
-            spent = self._window_spent.setdefault((e.user_id, e.window_start_ms), [0, 0])
+            spent = self._window_spent.setdefault((e.user_id, e.window_start_ms), [0, 0, 0])
             spent[1] += 1
             if spent[1] > spent[0]:
                 bad(1, f"window {e.window_start_ms}: {spent[1]} reservations consumed > limit {spent[0]}")
+        elif isinstance(e, ev.ReservationReleased):
+            self._window_spent.setdefault((e.user_id, e.window_start_ms), [0, 0, 0])[2] += 1
+        elif isinstance(e, ev.QuotaWindowRetired):
+            _, consumed, released = self._window_spent.get((e.user_id, e.window_start_ms), (0, 0, 0))
+            if (e.used, e.released) != (consumed, released):
+                bad(
+                    2,
+                    f"window {e.window_start_ms} retired with used={e.used} released={e.released} but the history "
+                    f"consumed={consumed} released={released}",
+                )
         if isinstance(e, (ev.GenerationAdmitted, ev.AdmissionRejected)):
             if history is None:
                 history = self._history[e.generation_id] = _History(e.model_version)

@@ -9,7 +9,9 @@ Mapping onto the seed's records:
 - Request ``(user_id, idempotency_key)`` -> ``RequestRecord`` in ``requests``.
 - Worker ownership (epoch, owner, lease deadline, cancel intent) -> ``RequestRecord.attempt``.
 - Quota window ``(user_id, window_start)`` -> ``QuotaWindow`` in ``windows``.
-- Reservation -> ``Reservation`` in ``reservations`` (kept while its window is retained).
+- Reservation -> ``Reservation`` in ``reservations`` while it is RESERVED; once consumed or released
+  it is dropped and counted in its window (``QuotaWindow.used`` / ``released``), so the hot value
+  does not grow with the requests of a window (the event history keeps every reservation).
 - Concurrency slots -> ``slots`` (slot index -> generation id).
 - Usage record ``(generation, epoch)`` -> ``UsageEntry`` in ``usage``.
 - The generation's reader (the edge holding the client) and a pending detach -> ``RequestRecord``.
@@ -75,19 +77,21 @@ class QuotaWindow:
     window_start_ms: int
     window_end_ms: int
     limit: int
-    used: int = 0
-    reserved: int = 0
+    used: int = 0  # reservations consumed in this window
+    reserved: int = 0  # reservations still RESERVED (each one is in ``UserLedger.reservations``)
+    released: int = 0  # reservations released in this window
 
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
+    """A RESERVED reservation. Settling one removes it from the state (see ``QuotaWindow``)."""
+
     reservation_id: str
     generation_id: str
     epoch: int
     window_start_ms: int
     state: ReservationState
     reconcile_deadline_ms: int
-    evidence: str | None = None  # the accepting command's id, or the fence reason on release
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,7 +59,7 @@ from control_plane.state import UserLedger
 from schemas import commands as cmd
 from schemas import events as ev
 from schemas import topics
-from schemas.codes import CancelReason, FinishOutcome, RejectionCode, RequestStatus, ReservationState, Tier
+from schemas.codes import CancelReason, FinishOutcome, RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, GenerationFinalized, Outcome, OutcomeKind, StopAttempt
 from schemas.wire import decode_command, decode_event, decode_ledger_entry, decode_message, encode
 
@@ -362,9 +362,8 @@ class Simulation:
             violations = check_state(state, self.config.concurrency_limit)
             if violations:
                 self.fail(violations)
-            for r in state.reservations.values():
-                if r.state is ReservationState.RESERVED:
-                    self.fail(f"reservation {r.reservation_id} still RESERVED after every deadline passed")
+            for r in state.reservations.values():  # the state holds only RESERVED ones
+                self.fail(f"reservation {r.reservation_id} still RESERVED after every deadline passed")
             if state.slots:
                 self.fail(f"{user} still holds slots {state.slots} after draining")
             for record in state.requests.values():

@@ -31,7 +31,7 @@ from projections.shared.settings import policy_from_env
 from projections.shared.topic_reader import read_topic
 from schemas import commands as cmd
 from schemas import events as ev
-from schemas.codes import RejectionCode, RequestStatus, ReservationState, Tier
+from schemas.codes import RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, OutcomeKind
 from schemas.wire import decode_ledger_entry, decode_message, encode
 from tests.integration.ledger_harness import wait_until_committed, wait_until_deciding
@@ -106,8 +106,12 @@ async def assert_one_late_refusal_then_one_message_spent(bootstrap: str, topolog
     """The late submit held nothing; its same-key retry reserved and consumed exactly one message."""
     report = await settled_audit(bootstrap, topology, processor)
     assert (report.consumed, report.released, report.refused_late) == (1, 0, 1)
-    (reservation,) = report.states[user].reservations.values()
-    assert (reservation.generation_id, reservation.epoch, reservation.state) == (generation_id, 1, ReservationState.CONSUMED)
+    state = report.states[user]
+    # A consumed reservation leaves the state; its window counts it.
+    assert state.reservations == {}
+    (window,) = state.windows.values()
+    assert (window.used, window.reserved, window.released) == (1, 0, 0)
+    assert state.record_of(generation_id).epoch == 1
 
 
 async def test_the_edge_answers_503_and_the_late_submit_charges_nothing_until_a_same_key_retry_runs(

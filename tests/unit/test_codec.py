@@ -106,4 +106,30 @@ def test_an_attempt_written_before_window_start_ms_existed_still_loads() -> None
     record = next(iter(doc["ledger"]["requests"].values()))
     assert record["attempt"]["window_start_ms"] == L.state.record_of(g).attempt.window_start_ms > 0
     del record["attempt"]["window_start_ms"]
+    # Its reservation names the window (a usage record takes the window from the attempt).
+    assert load_aggregate(orjson.dumps(doc)).ledger == L.state
+    del doc["ledger"]["reservations"][f"{g}.1"]
     assert load_aggregate(orjson.dumps(doc)).ledger.record_of(g).attempt.window_start_ms == 0
+
+
+def test_a_value_holding_settled_reservations_loads_them_as_window_counters() -> None:
+    # Before 2026-12-05 the state kept consumed and released reservations until their window retired.
+    L = Ledger()
+    consumed = L.submit("k1").outcome.generation_id
+    L.accept(consumed)
+    released = L.submit("k2").outcome.generation_id
+    L.decline(released)
+    held = L.submit("k3").outcome.generation_id
+    doc = orjson.loads(dump_aggregate(L.aggregate))
+    ledger = doc["ledger"]
+    (window,) = ledger["windows"].values()
+    del window["released"]
+    old = {"evidence": None, "window_start_ms": window["window_start_ms"], "reconcile_deadline_ms": 1}
+    for gid, state in ((consumed, "consumed"), (released, "released")):
+        ledger["reservations"][f"{gid}.1"] = {"reservation_id": f"{gid}.1", "generation_id": gid, "epoch": 1, "state": state, **old}
+    ledger["reservations"][f"{held}.1"]["evidence"] = None
+    loaded = load_aggregate(orjson.dumps(doc)).ledger
+    assert loaded == L.state
+    assert list(loaded.reservations) == [f"{held}.1"]
+    (w,) = loaded.windows.values()
+    assert (w.used, w.reserved, w.released) == (1, 1, 1)

@@ -442,7 +442,9 @@ def test_the_monitor_counts_a_window_across_its_retirement():
     decision = decide(broken, late, L.policy)
     assert decision.events[0].window_start_ms == T0
     violations = replay.observe_batch(decision.events)
-    assert [v.invariant for v in violations] == [1], violations
+    # 1: a third message admitted against a limit of two; 2: the re-created window's counters
+    # (used 0) disagree with what the history consumed in it (2).
+    assert sorted(v.invariant for v in violations) == [1, 2], violations
 
 
 def test_usage_of_a_generation_that_outlives_its_window_still_names_that_window():

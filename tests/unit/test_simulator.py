@@ -97,24 +97,23 @@ def test_a_core_that_consumes_again_on_a_repeated_acceptance_is_caught(monkeypat
         decision = decide(state, command, policy)
         if isinstance(command, cmd.AcceptAttempt) and decision.outcome.kind is OutcomeKind.EXISTING:
             record = state.record_of(command.generation_id)
-            reservation = state.reservations.get(f"{record.generation_id}.{record.epoch}")
-            if reservation is not None:
+            if record.attempt is not None:
                 again = ev.ReservationConsumed(
                     event_id=f"{command.command_id}/0",
                     command_id=command.command_id,
                     user_id=command.user_id,
                     generation_id=record.generation_id,
                     occurred_at_ms=command.issued_at_ms,
-                    reservation_id=reservation.reservation_id,
-                    window_start_ms=reservation.window_start_ms,
+                    reservation_id=reservation_id(record.generation_id, record.epoch),
+                    window_start_ms=record.attempt.window_start_ms,
                     epoch=record.epoch,
                 )
                 return Decision((again,), decision.outcome)
         return decision
 
     _broken(monkeypatch, decide_double_consume)
-    # The processor's own check_state sees the counters drift (2) before the auditor sees the second
-    # consumption (3); either report is the catch.
+    # The monitor sees the window's counter disagree with the history (2) or the second consumption
+    # itself (3); either report is the catch.
     _expect_failure(range(1, 6), 20_000, "invariant 2", "invariant 3")
 
 
@@ -134,7 +133,9 @@ def test_the_core_before_the_usage_window_fix_is_caught(monkeypatch: pytest.Monk
         decision = decide(state, command, policy)
         events = tuple(
             dataclasses.replace(e, window_start_ms=0)
-            if isinstance(e, ev.UsageRecorded) and reservation_id(e.generation_id, e.epoch) not in state.reservations
+            # Before the fix a usage record took its window from the reservation, which the window's
+            # retirement drops: a generation that outlived its window named window 0.
+            if isinstance(e, ev.UsageRecorded) and e.window_start_ms not in state.windows
             else e
             for e in decision.events
         )

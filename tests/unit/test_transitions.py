@@ -428,6 +428,28 @@ def test_a_past_window_is_retained_while_a_reservation_references_it_then_retire
     assert L.record(g).status is RequestStatus.ADMISSION_RETRYABLE
 
 
+def test_settled_reservations_leave_the_state_and_are_counted_in_their_window():
+    # The hot value is rewritten on every command: before this, each consumed or released
+    # reservation stayed in it until its window retired (the processor's soak growth, issue 13).
+    L = Ledger()
+    for i in range(30):
+        g = running(L, key=f"c{i}")
+        L.report(g)
+        assert L.state.reservations == {}, "a consumed reservation is not held"
+    for i in range(3):
+        g = admitted(L, key=f"r{i}")
+        L.decline(g)
+    assert L.state.reservations == {}, "a released reservation is not held"
+    w = L.window()
+    assert (w.used, w.reserved, w.released) == (30, 0, 3)
+    nxt = L.submit("next")
+    assert nxt.outcome.details.remaining == 40 - 30 - 1, "released reservations give their message back"
+    L.decline(nxt.outcome.generation_id)
+    L.now_ms = T0 + 3 * HOUR
+    (retired,) = [e for e in L.reconcile().events if isinstance(e, ev.QuotaWindowRetired)]
+    assert (retired.window_start_ms, retired.used, retired.released) == (T0, 30, 4)
+
+
 def test_a_retry_after_the_window_boundary_reserves_in_the_current_window():
     L = Ledger()
     L.now_ms = T0 + 3 * HOUR - 30_000
