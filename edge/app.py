@@ -73,7 +73,12 @@ class Edge:
         self.edge_id = uuid.uuid4().hex
         self.hub = StreamHub(settings, self.metrics, self.edge_id)
         self.presence = PresenceBeacon(self.edge_id, settings.topology, settings.presence_interval_s, self.metrics)
-        self.capacity = CapacityView(settings.heartbeat_stale_ms, settings.generation_service_ms_estimate)
+        self.capacity = CapacityView(
+            settings.heartbeat_stale_ms,
+            settings.generation_service_ms_estimate,
+            settings.decode_tokens_per_s_estimate,
+            settings.prefill_tokens_per_s_estimate,
+        )
         self.catalog = load_catalog()
         self.count_tokens = input_token_counter(self.catalog)
         self.client: Any = None

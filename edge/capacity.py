@@ -2,17 +2,29 @@
 
 The estimate goes into ``SubmitGeneration.estimated_queue_wait_ms``; the core refuses with
 ``capacity_exhausted`` above ``Policy.queue_budget_ms``, so the decision stays a pure function of the
-command. Estimate for a pool, over the workers whose last heartbeat is fresher than
-``heartbeat_stale_ms``:
+command. It estimates how long the new request waits before a worker of its pool starts it, from the
+work the pool holds, not from counts alone (the seed: "a short prompt and a hundred-thousand-token
+prompt should not count as equal work"; workers/work.py says what each heartbeat reports). Over the
+workers whose last heartbeat is fresher than ``heartbeat_stale_ms``:
 
-- a free slot anywhere -> 0 ms;
-- otherwise ``(queued + 1) / running_sequences * generation_service_ms_estimate``: the new request
-  waits for its turn behind the queue, served at the pool's rate of one sequence per mean service
-  time per running sequence;
 - no live worker heartbeat for the pool -> ``NO_CAPACITY_WAIT_MS`` (far above any budget), so
   admission refuses with ``capacity_exhausted`` instead of queueing work nobody will accept (the
   worker would decline it at the 15 s queue deadline; refusing up front is the honest answer and is
-  retryable with the same key).
+  retryable with the same key);
+- nothing waiting on the pool's dispatch log and a worker with a free slot whose KV room (when it
+  reports one) holds this request's prompt plus its expected output -> 0 ms;
+- otherwise the request waits for a slot (or KV room) behind what is ahead of it: the dispatches
+  waiting on the log, those being prepared, and itself. Sequences end at about ``running /
+  mean_left_s`` per second, where ``mean_left_s`` is the running sequences' expected output still to
+  decode (each one's output budget scaled by the measured share generations use, minus what it
+  produced) over the measured per-sequence decode rate; to that comes the prefill of the prompts
+  queued ahead at the measured prefill rate. The last dispatch taken off the log had waited
+  ``queue_age_ms``: while dispatches wait, the estimate is never below that (a measured queue age
+  beats a modelled one);
+- a heartbeat from a worker that does not report its work (an older version) -> the count-based
+  estimate: ``(queued + 1) / running_sequences * generation_service_ms_estimate``;
+- before a worker measured its rates, ``decode_tokens_per_s_estimate`` and
+  ``prefill_tokens_per_s_estimate`` stand in (edge settings).
 """
 
 from __future__ import annotations
@@ -43,9 +55,17 @@ class _Seen:
 
 
 class CapacityView:
-    def __init__(self, heartbeat_stale_ms: int, generation_service_ms_estimate: int) -> None:
+    def __init__(
+        self,
+        heartbeat_stale_ms: int,
+        generation_service_ms_estimate: int,
+        decode_tokens_per_s_estimate: float = 20.0,
+        prefill_tokens_per_s_estimate: float = 1_000.0,
+    ) -> None:
         self.heartbeat_stale_ms = heartbeat_stale_ms
         self.generation_service_ms_estimate = generation_service_ms_estimate
+        self.decode_tokens_per_s_estimate = decode_tokens_per_s_estimate
+        self.prefill_tokens_per_s_estimate = prefill_tokens_per_s_estimate
         self._workers: dict[str, _Seen] = {}
 
     def observe(self, hb: WorkerHeartbeat, received_ms: int | None = None) -> None:
@@ -54,7 +74,10 @@ class CapacityView:
             del self._workers[oldest]
         self._workers[hb.worker_id] = _Seen(hb, received_ms if received_ms is not None else _now_ms())
 
-    def estimate_wait_ms(self, pool: str, now_ms: int | None = None) -> int:
+    def estimate_wait_ms(
+        self, pool: str, input_tokens: int = 0, output_budget: int = 1, now_ms: int | None = None
+    ) -> int:
+        """How long a request of ``input_tokens`` and ``output_budget`` would wait in ``pool``."""
         now = now_ms if now_ms is not None else _now_ms()
         live = [
             s.heartbeat
@@ -63,11 +86,46 @@ class CapacityView:
         ]
         if not live:
             return NO_CAPACITY_WAIT_MS
+        if not all(h.reports_work for h in live):
+            return self._by_count(live)
+        return self._by_work(live, input_tokens, output_budget)
+
+    def _by_count(self, live: list[WorkerHeartbeat]) -> int:
         if any(h.free_slots > 0 for h in live):
             return 0
         running = sum(h.active_sequences for h in live)
         queued = sum(h.queued for h in live)
         return int((queued + 1) / max(1, running) * self.generation_service_ms_estimate)
+
+    def _by_work(self, live: list[WorkerHeartbeat], input_tokens: int, output_budget: int) -> int:
+        backlog = sum(h.dispatch_backlog for h in live)
+        fill = sum(h.output_fill for h in live) / len(live)
+        need = input_tokens + max(1, round(output_budget * fill))  # what this request may hold in KV
+
+        def fits(h: WorkerHeartbeat) -> bool:
+            return h.kv_tokens_free < 0 or h.kv_tokens_free >= need
+
+        if backlog == 0 and any(h.free_slots > 0 and fits(h) for h in live):
+            return 0
+        running = sum(h.active_sequences for h in live)
+        queued = sum(h.queued for h in live)
+        if running == 0 and backlog == 0 and queued == 0:
+            # Idle, yet no worker has room for it: nothing that ends will make room.
+            return NO_CAPACITY_WAIT_MS
+        measured_decode = [h.decode_tokens_per_s for h in live if h.decode_tokens_per_s > 0]
+        decode = sum(measured_decode) / len(measured_decode) if measured_decode else self.decode_tokens_per_s_estimate
+        prefill = sum(h.prefill_tokens_per_s or self.prefill_tokens_per_s_estimate for h in live)
+        ahead = backlog + queued + 1
+        if running > 0:
+            mean_left_s = sum(h.output_tokens_left for h in live) / running / max(decode, 1e-3)
+            slot_wait_s = ahead * mean_left_s / running
+        else:
+            slot_wait_s = 0.0  # slots are being filled by the work being prepared; its prefill is below
+        prefill_ahead_s = sum(h.queued_input_tokens for h in live) / max(prefill, 1e-3)
+        wait_ms = (slot_wait_s + prefill_ahead_s) * 1000
+        if backlog > 0:
+            wait_ms = max(wait_ms, max(h.queue_age_ms for h in live))
+        return int(wait_ms)
 
 
 class CapacityReader:

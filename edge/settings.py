@@ -114,7 +114,12 @@ class EdgeSettings:
 
     # Capacity view from worker heartbeats.
     heartbeat_stale_ms: int = setting("CHATPLANE_EDGE_WORKER_HEARTBEAT_STALE_MS", 10_000, ge=1)
+    # For heartbeats of workers that do not report their work (older versions): one generation's time.
     generation_service_ms_estimate: int = setting("CHATPLANE_EDGE_GENERATION_SERVICE_MS_ESTIMATE", 10_000, ge=0)
+    # Until a worker has measured its engine (edge/capacity.py): output tokens per second of one
+    # sequence, and prompt tokens per second of prefill.
+    decode_tokens_per_s_estimate: float = setting("CHATPLANE_EDGE_DECODE_TOKENS_PER_S_ESTIMATE", 20.0, gt=0)
+    prefill_tokens_per_s_estimate: float = setting("CHATPLANE_EDGE_PREFILL_TOKENS_PER_S_ESTIMATE", 1_000.0, gt=0)
     # For tests and benchmarks without workers: skip the capacity view (estimate 0).
     capacity_check: bool = setting("CHATPLANE_EDGE_CAPACITY_CHECK", True)
 

@@ -131,6 +131,19 @@ class WorkerHeartbeat:
     queued: int
     kv_pressure: float
     tokens_per_s: float
+    # The work behind the counts (workers/work.py says how each is measured). Added within version 1
+    # with defaults meaning "not reported", so an older worker's heartbeat still decodes; the edge
+    # then falls back to its count-based estimate (edge/capacity.py).
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    output_fill: float = 1.0
+    queued_input_tokens: int = 0
+    queued_output_tokens: int = 0
+    output_tokens_left: int = 0
+    kv_tokens_free: int = -1  # -1: unknown (no KV bound configured)
+    dispatch_backlog: int = 0
+    queue_age_ms: int = 0
+    reports_work: bool = False  # True from a worker that fills the fields above
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -79,6 +79,10 @@ class WorkerSettings:
     result_pending_age_max_s: float = setting("CHATPLANE_WORKER_RESULT_PENDING_AGE_MAX_S", 600.0, ge=0)
     result_retry_interval_s: float = setting("CHATPLANE_WORKER_RESULT_RETRY_INTERVAL_S", 2.0, gt=0)
     max_output_tokens_max: int = setting("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", 4096, ge=1)
+    # Tokens this worker's engine can hold in its KV cache at once (prompt plus output over every
+    # sequence); heartbeats report what the held attempts leave free, so an edge does not count a
+    # free slot as room for a prompt that would not fit. 0: not known (not reported).
+    kv_tokens_max: int = setting("CHATPLANE_WORKER_KV_TOKENS_MAX", 0, ge=0)
     # AttemptTraces kept in Worker.traces (the newest; for tests and benchmarks): one per attempt would
     # grow without end at thousands of attempts per second, so python -m workers keeps none.
     attempt_traces_max: int = setting("CHATPLANE_WORKER_ATTEMPT_TRACES_MAX", 0, ge=0)

@@ -71,6 +71,7 @@ from workers.engines.base import (
 )
 from workers.engines.base import FinishReason as EngineFinishReason
 from workers.settings import WorkerSettings
+from workers.work import WorkRates, held_work
 
 log = logging.getLogger("chatplane.workers")
 
@@ -149,6 +150,8 @@ _NEXT_STATES: dict[AttemptState, frozenset[AttemptState]] = {
     _S.GAVE_UP: frozenset(),
 }
 assert set(_NEXT_STATES) == set(AttemptState), "every state needs its transitions"
+# States in which an attempt still has engine work ahead (its heartbeat's held work).
+_WORK_STATES = frozenset({_S.TAKEN, _S.PROMPT_REQUESTED, _S.ACCEPT_REQUESTED, _S.ACCEPTED, _S.RUNNING, _S.STOPPING})
 
 
 class DeclineReason(StrEnum):
@@ -329,6 +332,14 @@ class Worker:
         self._capacity_changed = asyncio.Event()
         self.active: dict[tuple[str, int], _Stop] = {}
         self.preparing = 0  # dispatches taken, not yet accepted or declined
+        # The attempts this worker holds (at most one per slot) and its engine's measured rates: the
+        # work its heartbeats report (workers/work.py).
+        self.held: dict[tuple[str, int], _Attempt] = {}
+        self.rates = WorkRates()
+        # Dispatches waiting in each assigned partition when one was last taken from it (0 once a
+        # bounded wait found nothing), and how long the last taken dispatch had waited on the log.
+        self._backlog: dict[TopicPartition, int] = {}
+        self._queue_age_ms = 0
         # What happened to the newest attempts, for tests and benchmarks: at most
         # settings.attempt_traces_max of them, oldest dropped first (0, the default of python -m
         # workers: none kept, since a worker runs millions of attempts a day; on_trace sees each).
@@ -535,10 +546,15 @@ class Worker:
                 if taken:
                     break
             if taken is None:
+                self._backlog.clear()  # a bounded wait on every partition found nothing waiting
                 if not consumer.assignment():
                     await asyncio.sleep(DISPATCH_FETCH_TIMEOUT_MS / 1000)
                 continue
             tier, tp, record = taken
+            highwater = consumer.highwater(tp)
+            if highwater is not None:
+                self._backlog[tp] = max(0, highwater - record.offset - 1)
+            self._queue_age_ms = max(0, now_ms() - record.timestamp) if record.timestamp and record.timestamp > 0 else 0
             self._taken[tier] += 1
             self._offsets.begin(tp, record.offset)
             self.free_slots -= 1
@@ -610,6 +626,7 @@ class Worker:
 
     async def _handle(self, tp: TopicPartition, offset: int, value: bytes | None) -> None:
         trace: AttemptTrace | None = None
+        attempt: _Attempt | None = None
         committed = False
         try:
             try:
@@ -626,6 +643,7 @@ class Worker:
             trace = AttemptTrace(d.generation_id, d.epoch)
             self._keep_trace(trace)
             attempt = _Attempt(self, d, trace)
+            self.held[attempt.key] = attempt
             accepted = await attempt.prepare()
             self.preparing -= 1
             self._commit(tp, offset)
@@ -635,6 +653,8 @@ class Worker:
         except Exception:
             log.exception("attempt failed unexpectedly")
         finally:
+            if attempt is not None and self.held.get(attempt.key) is attempt:
+                del self.held[attempt.key]
             if not committed:
                 self.preparing -= 1
                 self._commit(tp, offset)
@@ -651,6 +671,10 @@ class Worker:
         return sum(n for _, n in self._token_samples) / TOKENS_PER_S_WINDOW_S
 
     def heartbeat(self) -> WorkerHeartbeat:
+        work = held_work(self.rates, [a.work() for a in self.held.values() if a.holds_work()])
+        kv_max = self.settings.kv_tokens_max
+        assignment = self.dispatch_consumer.assignment() if self.dispatch_consumer is not None else set()
+        backlog = sum(n for tp, n in self._backlog.items() if tp in assignment)
         return WorkerHeartbeat(
             worker_id=self.settings.worker_id,
             pool=self.model.pool,
@@ -660,6 +684,16 @@ class Worker:
             queued=self.preparing,
             kv_pressure=float(max(0.0, min(1.0, self.engine.kv_pressure()))),
             tokens_per_s=round(self.tokens_per_s(), 3),
+            prefill_tokens_per_s=round(self.rates.prefill_tokens_per_s, 3),
+            decode_tokens_per_s=round(self.rates.decode_tokens_per_s, 3),
+            output_fill=round(self.rates.output_fill, 4),
+            queued_input_tokens=work.queued_input_tokens,
+            queued_output_tokens=work.queued_output_tokens,
+            output_tokens_left=work.output_tokens_left,
+            kv_tokens_free=-1 if kv_max <= 0 else max(0, kv_max - work.tokens_held),
+            dispatch_backlog=backlog,
+            queue_age_ms=self._queue_age_ms if backlog > 0 else 0,
+            reports_work=True,
         )
 
     async def _heartbeat_loop(self) -> None:
@@ -725,6 +759,19 @@ class _Attempt:
     def _to(self, state: AttemptState) -> None:
         assert state in _NEXT_STATES[self.state], f"attempt {self.key}: {self.state.name} -> {state.name}"
         self.state = state
+
+    @property
+    def output_budget(self) -> int:
+        return max(1, min(self.d.max_output_tokens, self.settings.max_output_tokens_max))
+
+    def holds_work(self) -> bool:
+        """Whether this attempt still has engine work ahead (queued here, or running)."""
+        return self.state in _WORK_STATES
+
+    def work(self) -> tuple[bool, int, int, int]:
+        """(running, input tokens, output budget, output tokens so far), for ``workers.work.held_work``."""
+        running = self.state in (AttemptState.RUNNING, AttemptState.STOPPING)
+        return running, self.d.input_tokens, self.output_budget, self.tokens
 
     def _command(self, cls: type, **fields: Any) -> Any:
         d = self.d
@@ -860,7 +907,7 @@ class _Attempt:
         return EngineRequest(
             request_id=uuid.uuid4().hex,
             messages=tuple(messages),
-            max_output_tokens=max(1, min(self.d.max_output_tokens, self.settings.max_output_tokens_max)),
+            max_output_tokens=self.output_budget,
         )
 
     def _await_next_item(self) -> asyncio.Future[Any]:
@@ -1007,6 +1054,7 @@ class _Attempt:
             await self.iterator.aclose()
         self.trace.stopped_at = time.monotonic()
         self.released = True
+        self._measure()
         self.renewer.cancel()
         # Bounded: a renewal in flight ends within its decision timeout, and ``released`` stops the loop.
         await asyncio.wait({self.renewer}, timeout=RENEWER_STOP_TIMEOUT_S)
@@ -1016,6 +1064,20 @@ class _Attempt:
             # the report (which wait on Cassandra and the processor, not on the engine). After a
             # failure (an abort never acknowledged, a stall) the slot is freed only at the end.
             self.worker._free_slot(self.trace)
+
+    def _measure(self) -> None:
+        """Feed this attempt's prefill and decode times into the worker's measured rates."""
+        finished, trace = self.finished, self.trace
+        ran_to_its_end = finished is not None and finished.reason in (EngineFinishReason.STOP, EngineFinishReason.LENGTH)
+        self.worker.rates.observe(
+            input_tokens=finished.input_tokens if finished is not None and finished.input_tokens else self.d.input_tokens,
+            output_budget=self.output_budget,
+            output_tokens=finished.output_tokens if finished is not None else self.tokens,
+            started_at=trace.engine_started_at,
+            first_token_at=trace.engine_first_token_at,
+            ended_at=trace.stopped_at,
+            ran_to_its_end=ran_to_its_end,
+        )
 
     def _reported(self) -> tuple[FinishOutcome, RejectionCode | None, FinishReason]:
         """Outcome, error code (failed only) and finish reason of the ENDED attempt."""

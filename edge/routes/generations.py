@@ -236,7 +236,9 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
     if wait_s > 0:
         edge.metrics.admissions.labels(RejectionCode.RATE_LIMITED.value).inc()
         raise ApiError(RejectionCode.RATE_LIMITED, details=RejectionDetails(retry_after_ms=int(wait_s * 1000)))
-    estimate_ms = edge.capacity.estimate_wait_ms(model.pool) if settings.capacity_check else 0
+    estimate_ms = (
+        edge.capacity.estimate_wait_ms(model.pool, input_tokens, req.max_output_tokens) if settings.capacity_check else 0
+    )
     request_id = request.state.request_id
     issued_at_ms = _now_ms()
     command = SubmitGeneration(

@@ -1,6 +1,7 @@
 """Capacity admission against a real worker with one slot: a request sent right after the previous
 one completed is admitted (the worker announces its freed slot before the generation's end reaches
-the client), and a request sent while the only slot is busy is ``capacity_exhausted``.
+the client), and a request sent while the only slot is busy with work that outlasts the queue budget
+is ``capacity_exhausted``. The worker's heartbeats report the rates it measured (issue 14, item 5).
 
 ``python -m workers --engine sim`` with ``CHATPLANE_WORKER_SLOTS=1``, heartbeats every 1 s (longer
 than nothing, shorter than a generation here, so the edge has seen "0 free" while each one ran), the
@@ -30,9 +31,9 @@ HEARTBEAT_WAIT_S = 60.0
 POLL_S = 0.05
 
 
-def body(stream: bool = False) -> dict:
+def body(stream: bool = False, max_output_tokens: int = OUTPUT_TOKENS) -> dict:
     return {"model": "simulated-text-model", "messages": [{"role": "user", "content": "Name three colors."}],
-            "stream": stream, "max_output_tokens": OUTPUT_TOKENS}
+            "stream": stream, "max_output_tokens": max_output_tokens}
 
 
 async def test_one_slot_worker_admits_back_to_back_requests_and_refuses_while_busy(
@@ -57,8 +58,16 @@ async def test_one_slot_worker_admits_back_to_back_requests_and_refuses_while_bu
                 assert r.status_code == 200, (i, r.text)
                 assert r.json()["status"] == "completed"
 
-            # While the only slot is busy, the next request is refused before any reservation.
-            async with http.stream("POST", "/v1/generations", json=body(stream=True), headers=e.headers(user, "busy-0")) as running:
+            # The worker measured its engine: ~10 tokens/s of decode (100 ms a token), the whole budget used.
+            (seen,) = [s.heartbeat for s in view._workers.values() if s.heartbeat.pool == SIM_POOL]
+            assert seen.reports_work and 5 < seen.decode_tokens_per_s < 20, seen
+            assert seen.prefill_tokens_per_s > 0 and seen.output_fill > 0.9, seen
+
+            # While the only slot is busy with a budget of 200 tokens (~20 s at the measured rate, far
+            # past the 2 s queue budget; it uses 15 of them, as the last ones did), the next request
+            # is refused before any reservation.
+            busy = body(stream=True, max_output_tokens=200)
+            async with http.stream("POST", "/v1/generations", json=busy, headers=e.headers(user, "busy-0")) as running:
                 assert running.status_code == 200
                 lines = running.aiter_lines()
                 async for line in lines:
