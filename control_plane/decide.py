@@ -676,6 +676,10 @@ def purge_at_ms(record: RequestRecord, policy: Policy) -> int | None:
     return retained_until_ms(record, policy.dedup_retention_ms)
 
 
+_QUEUED, _RUNNING = RequestStatus.QUEUED, RequestStatus.RUNNING
+_TERMINAL_STATUSES = frozenset(status for status in RequestStatus if status.terminal)
+
+
 def _canonical_order(record: RequestRecord) -> tuple[int, str]:
     return (record.created_at_ms, record.idempotency_key)
 
@@ -687,24 +691,30 @@ def _reconcile(state: UserLedger, c: ReconcileDue, policy: Policy, out: _Emitter
     # another order than the one that built it, so a redelivered ReconcileDue must number its events
     # the same either way. Only the (few) due records are sorted.
     due: list[tuple[tuple[int, str], RequestRecord, FenceReason | CancelReason | None]] = []
+    # One pass over every record; a settled one (most of them) costs one comparison: it is due for
+    # its purge once ``retained_until_ms`` passed, inlined here (this loop was the largest part of a
+    # ReconcileDue in bench/bench_core.py's profile).
+    settled_before = now - policy.dedup_retention_ms  # settled at or before this: retention over
     for record in state.requests.values():
+        status = record.status
         attempt = record.attempt
-        detach_at = _detach_due(record)
-        if record.status is RequestStatus.QUEUED and attempt is not None:
+        if status is _QUEUED and attempt is not None:
+            detach_at = _detach_due(record)
             if attempt.reconcile_deadline_ms <= now:
                 due.append((_canonical_order(record), record, FenceReason.QUEUE_DEADLINE))
             elif detach_at is not None and detach_at <= now:
                 due.append((_canonical_order(record), record, record.detach_reason or CancelReason.CLIENT_DISCONNECT))
-        elif record.status is RequestStatus.RUNNING and attempt is not None:
+        elif status is _RUNNING and attempt is not None:
+            detach_at = _detach_due(record)
             if attempt.run_deadline_ms <= now:
                 due.append((_canonical_order(record), record, FenceReason.RUN_DEADLINE))
             elif attempt.lease_deadline_ms <= now:
                 due.append((_canonical_order(record), record, FenceReason.LEASE_EXPIRED))
             elif detach_at is not None and detach_at <= now:
                 due.append((_canonical_order(record), record, record.detach_reason or CancelReason.CLIENT_DISCONNECT))
-        else:
-            purge_at = purge_at_ms(record, policy)
-            if purge_at is not None and purge_at <= now:
+        elif status is not _QUEUED and status is not _RUNNING:
+            settled_at = record.terminal_at_ms if status in _TERMINAL_STATUSES else record.updated_at_ms
+            if settled_at <= settled_before:
                 due.append((_canonical_order(record), record, None))
     due.sort(key=lambda item: item[0])
     for _, record, reason in due:
@@ -740,19 +750,21 @@ def next_deadline_ms(state: UserLedger, policy: Policy) -> int | None:
         if best is None or t < best:
             best = t
 
+    retention = policy.dedup_retention_ms
     for record in state.requests.values():
+        status = record.status
         attempt = record.attempt
-        detach_at = _detach_due(record)
-        if detach_at is not None:
-            consider(detach_at)
-        if record.status is RequestStatus.QUEUED and attempt is not None:
-            consider(attempt.reconcile_deadline_ms)
-        elif record.status is RequestStatus.RUNNING and attempt is not None:
-            consider(min(attempt.lease_deadline_ms, attempt.run_deadline_ms))
-        else:
-            purge_at = purge_at_ms(record, policy)
-            if purge_at is not None:
-                consider(purge_at)
+        if status is _QUEUED or status is _RUNNING:
+            detach_at = _detach_due(record)
+            if detach_at is not None:
+                consider(detach_at)
+            if attempt is not None:
+                if status is _QUEUED:
+                    consider(attempt.reconcile_deadline_ms)
+                else:
+                    consider(min(attempt.lease_deadline_ms, attempt.run_deadline_ms))
+        else:  # settled: its purge (retained_until_ms, inlined)
+            consider((record.terminal_at_ms if status in _TERMINAL_STATUSES else record.updated_at_ms) + retention)
     for window in state.windows.values():
         if window.reserved == 0:
             consider(window.window_end_ms)

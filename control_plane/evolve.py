@@ -8,7 +8,6 @@ checking a recorded history (for example a corrupted ledger) is ``control_plane.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any
 
 from control_plane.state import (
@@ -19,6 +18,7 @@ from control_plane.state import (
     UsageEntry,
     UserLedger,
     usage_key,
+    with_changes,
 )
 from schemas.codes import RequestStatus, ReservationState
 from schemas import events as ev
@@ -44,7 +44,7 @@ def _put_request(state: UserLedger, record: RequestRecord, at_ms: int) -> UserLe
     if by_generation.get(record.generation_id) != record.idempotency_key:
         by_generation = dict(by_generation)
         by_generation[record.generation_id] = record.idempotency_key
-    return replace(state, requests=requests, by_generation=by_generation, last_event_ms=max(state.last_event_ms, at_ms))
+    return with_changes(state, requests=requests, by_generation=by_generation, last_event_ms=max(state.last_event_ms, at_ms))
 
 
 def _update(state: UserLedger, event: Any, **changes: Any) -> UserLedger:
@@ -53,7 +53,7 @@ def _update(state: UserLedger, event: Any, **changes: Any) -> UserLedger:
         # A fact about a generation this state never saw (only possible in a damaged ledger).
         return state
     changes.setdefault("updated_at_ms", event.occurred_at_ms)
-    return _put_request(state, replace(record, **changes), event.occurred_at_ms)
+    return _put_request(state, with_changes(record, **changes), event.occurred_at_ms)
 
 
 def _window(state: UserLedger, start_ms: int) -> QuotaWindow | None:
@@ -68,7 +68,7 @@ def _put_window(state: UserLedger, window: QuotaWindow) -> dict[int, QuotaWindow
 
 def _admitted(state: UserLedger, e: ev.GenerationAdmitted) -> UserLedger:
     window = _window(state, e.window_start_ms) or QuotaWindow(e.window_start_ms, e.window_end_ms, e.window_limit)
-    window = replace(window, reserved=window.reserved + 1)
+    window = with_changes(window, reserved=window.reserved + 1)
     reservations = dict(state.reservations)
     reservations[e.reservation_id] = Reservation(
         e.reservation_id, e.generation_id, e.epoch, e.window_start_ms, ReservationState.RESERVED, e.reconcile_deadline_ms
@@ -96,7 +96,7 @@ def _admitted(state: UserLedger, e: ev.GenerationAdmitted) -> UserLedger:
         reply_to=e.reply_to,
         reader_id=e.reader_id,
     )
-    state = replace(state, windows=_put_window(state, window), reservations=reservations, slots=slots)
+    state = with_changes(state, windows=_put_window(state, window), reservations=reservations, slots=slots)
     return _put_request(state, record, e.occurred_at_ms)
 
 
@@ -129,7 +129,7 @@ def _accepted(state: UserLedger, e: ev.AttemptAccepted) -> UserLedger:
     record = state.record_of(e.generation_id)
     if record is None or record.attempt is None:
         return state
-    attempt = replace(
+    attempt = with_changes(
         record.attempt, owner_worker_id=e.worker_id, lease_deadline_ms=e.lease_deadline_ms, run_deadline_ms=e.run_deadline_ms
     )
     return _update(state, e, status=RequestStatus.RUNNING, attempt=attempt)
@@ -150,14 +150,14 @@ def _settle_reservation(state: UserLedger, reservation_id: str, to: ReservationS
     windows = state.windows
     if window is not None:
         consumed = to is ReservationState.CONSUMED
-        window = replace(
+        window = with_changes(
             window,
             reserved=window.reserved - 1,
             used=window.used + (1 if consumed else 0),
             released=window.released + (0 if consumed else 1),
         )
         windows = _put_window(state, window)
-    return replace(state, reservations=reservations, windows=windows)
+    return with_changes(state, reservations=reservations, windows=windows)
 
 
 def _consumed(state: UserLedger, e: ev.ReservationConsumed) -> UserLedger:
@@ -169,7 +169,7 @@ def _released(state: UserLedger, e: ev.ReservationReleased) -> UserLedger:
 
 
 def _declined(state: UserLedger, e: ev.AttemptDeclined) -> UserLedger:
-    return replace(state, last_event_ms=max(state.last_event_ms, e.occurred_at_ms))
+    return with_changes(state, last_event_ms=max(state.last_event_ms, e.occurred_at_ms))
 
 
 def _fenced(state: UserLedger, e: ev.AttemptFenced) -> UserLedger:
@@ -183,7 +183,7 @@ def _renewed(state: UserLedger, e: ev.LeaseRenewed) -> UserLedger:
     record = state.record_of(e.generation_id)
     if record is None or record.attempt is None:
         return state
-    attempt = replace(record.attempt, lease_deadline_ms=e.lease_deadline_ms, output_tokens_reported=e.output_tokens)
+    attempt = with_changes(record.attempt, lease_deadline_ms=e.lease_deadline_ms, output_tokens_reported=e.output_tokens)
     return _update(state, e, attempt=attempt)
 
 
@@ -191,7 +191,7 @@ def _cancel_requested(state: UserLedger, e: ev.CancelRequested) -> UserLedger:
     record = state.record_of(e.generation_id)
     if record is None or record.attempt is None:
         return state
-    return _update(state, e, attempt=replace(record.attempt, cancel_reason=e.reason))
+    return _update(state, e, attempt=with_changes(record.attempt, cancel_reason=e.reason))
 
 
 def _slot_released(state: UserLedger, e: ev.ConcurrencySlotReleased) -> UserLedger:
@@ -199,7 +199,7 @@ def _slot_released(state: UserLedger, e: ev.ConcurrencySlotReleased) -> UserLedg
         return state
     slots = dict(state.slots)
     del slots[e.slot_index]
-    return replace(state, slots=slots)
+    return with_changes(state, slots=slots)
 
 
 def _returned(state: UserLedger, e: ev.GenerationReturnedToAdmission) -> UserLedger:
@@ -237,7 +237,7 @@ def _failed(state: UserLedger, e: ev.GenerationFailed) -> UserLedger:
 def _usage(state: UserLedger, e: ev.UsageRecorded) -> UserLedger:
     usage = dict(state.usage)
     usage[usage_key(e.generation_id, e.epoch)] = UsageEntry(e.input_tokens, e.output_tokens, e.terminal_reason)
-    return replace(state, usage=usage)
+    return with_changes(state, usage=usage)
 
 
 def _ignored(state: UserLedger, e: ev.LateReportIgnored) -> UserLedger:
@@ -252,9 +252,14 @@ def _purged(state: UserLedger, e: ev.DedupRecordPurged) -> UserLedger:
     del requests[e.idempotency_key]
     by_generation = dict(state.by_generation)
     by_generation.pop(record.generation_id, None)
-    prefix = record.generation_id + "/"
-    usage = {k: v for k, v in state.usage.items() if not k.startswith(prefix)}
-    return replace(state, requests=requests, by_generation=by_generation, usage=usage)
+    # Usage is recorded per (generation, epoch) for the epochs this record dispatched, 1..epoch.
+    usage = state.usage
+    keys = [k for e in range(1, record.epoch + 1) if (k := usage_key(record.generation_id, e)) in usage]
+    if keys:
+        usage = dict(usage)
+        for k in keys:
+            del usage[k]
+    return with_changes(state, requests=requests, by_generation=by_generation, usage=usage)
 
 
 def _window_retired(state: UserLedger, e: ev.QuotaWindowRetired) -> UserLedger:
@@ -262,7 +267,7 @@ def _window_retired(state: UserLedger, e: ev.QuotaWindowRetired) -> UserLedger:
     retired = windows.pop(e.window_start_ms, None)
     reservations = {k: r for k, r in state.reservations.items() if r.window_start_ms != e.window_start_ms}
     open_from = max(state.open_windows_from_ms, retired.window_end_ms) if retired else state.open_windows_from_ms
-    return replace(state, windows=windows, reservations=reservations, open_windows_from_ms=open_from)
+    return with_changes(state, windows=windows, reservations=reservations, open_windows_from_ms=open_from)
 
 
 _APPLY: dict[type, Callable[[UserLedger, Any], UserLedger]] = {

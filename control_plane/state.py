@@ -19,7 +19,8 @@ Mapping onto the seed's records:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 from schemas.codes import CancelReason, RejectionCode, RequestStatus, ReservationState, Tier
 from schemas.commands import ReplyTo
@@ -140,3 +141,30 @@ def usage_key(generation_id: str, epoch: int) -> str:
 
 def reservation_id(generation_id: str, epoch: int) -> str:
     return f"{generation_id}.{epoch}"
+
+
+_T = TypeVar("_T")
+_FIELDS: dict[type, tuple[tuple[str, ...], frozenset[str]]] = {}
+_set = object.__setattr__
+
+
+def with_changes(obj: _T, /, **changes: Any) -> _T:
+    """``dataclasses.replace`` for the frozen, slotted state values, without its generic machinery.
+
+    ``evolve`` rebuilds a record, an attempt or the ledger a few times per event, and
+    ``dataclasses.replace`` (keyword arguments rebuilt, ``__init__`` called, every field checked) was
+    the largest single cost of ``handle`` in bench/bench_core.py's profile. These classes have no
+    ``__post_init__`` and no init-only fields, so copying the fields gives the same value.
+    """
+    cls = type(obj)
+    known = _FIELDS.get(cls)
+    if known is None:
+        names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+        known = _FIELDS[cls] = (names, frozenset(names))
+    names, name_set = known
+    if not name_set.issuperset(changes):
+        raise TypeError(f"{cls.__name__} has no field {sorted(set(changes) - name_set)[0]!r}")
+    new = object.__new__(cls)
+    for name in names:
+        _set(new, name, changes[name] if name in changes else getattr(obj, name))
+    return new

@@ -133,3 +133,22 @@ def test_a_value_holding_settled_reservations_loads_them_as_window_counters() ->
     assert list(loaded.reservations) == [f"{held}.1"]
     (w,) = loaded.windows.values()
     assert (w.used, w.reserved, w.released) == (1, 1, 1)
+
+
+def test_with_changes_builds_the_value_dataclasses_replace_builds() -> None:
+    from control_plane.state import with_changes
+
+    L = Ledger()
+    g = L.submit("k1").outcome.generation_id
+    L.accept(g)
+    record = L.state.record_of(g)
+    for obj, changes in (
+        (record, {"status": RequestStatus.COMPLETED, "attempt": None, "terminal_at_ms": 5}),
+        (record.attempt, {"cancel_reason": CancelReason.USER, "lease_deadline_ms": 9}),
+        (L.state, {"last_event_ms": 1, "slots": {}}),
+        (L.state, {}),
+    ):
+        assert with_changes(obj, **changes) == dataclasses.replace(obj, **changes)
+        assert with_changes(obj, **changes) is not obj
+    with pytest.raises(TypeError, match="no field 'statu'"):
+        with_changes(record, statu=RequestStatus.COMPLETED)
