@@ -70,6 +70,10 @@ class EdgeMetrics:
             "chatplane_edge_prompt_requests", "Prompt requests from workers, by whether the prompt was held.",
             ["found"], registry=r,
         )
+        self.prompts_published = Counter(
+            "chatplane_edge_prompts_published", "Prompts published beside submits (prompts.<pool>), by whether the send succeeded.",
+            ["sent"], registry=r,
+        )
         self.unhandled_errors = Counter(
             "chatplane_edge_unhandled_errors", "Requests that hit a bug (answered as a typed 503); should stay 0.", registry=r
         )

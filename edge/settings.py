@@ -114,6 +114,9 @@ class EdgeSettings:
 
     # Capacity view from worker heartbeats.
     heartbeat_stale_ms: int = setting("CHATPLANE_EDGE_WORKER_HEARTBEAT_STALE_MS", 10_000, ge=1)
+    # Publish each submit's prompt on prompts.<pool> beside it, so the worker that takes the dispatch
+    # has it without asking this edge (schemas/messages.py PromptPublished); off: workers always ask.
+    prompt_topic: bool = setting("CHATPLANE_EDGE_PROMPT_TOPIC", True)
     # For heartbeats of workers that do not report their work (older versions): one generation's time.
     generation_service_ms_estimate: int = setting("CHATPLANE_EDGE_GENERATION_SERVICE_MS_ESTIMATE", 10_000, ge=0)
     # Until a worker has measured its engine (edge/capacity.py): output tokens per second of one

@@ -34,13 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 from edge import sse
 from edge.metrics import EdgeMetrics
 from edge.settings import EdgeSettings
 from schemas.codes import CancelReason, RejectionCode, RequestStatus, Tier
 from schemas.commands import CancelGeneration, DetachReader
-from schemas.messages import ChatMessage, GenerationFinalized, PromptPayload, PromptRequest, TextDelta
+from schemas.messages import ChatMessage, GenerationFinalized, PromptPayload, PromptPublished, PromptRequest, TextDelta
 from schemas.wire import encode
 
 log = logging.getLogger("chatplane.edge.streams")
@@ -330,6 +331,24 @@ class StreamHub:
             messages=stream.messages if found and stream is not None else (),
         )
         self._background(self._send_payload(r, payload))
+
+    def publish_prompt(self, topic: str, generation_id: str, user_id: str, messages: tuple[ChatMessage, ...]) -> None:
+        """Publish a submit's prompt beside it, keyed by the generation id it will have (so it lands in
+        the partition of the pool's dispatch topics its dispatch will: schemas/topics.py prompts_topic).
+        Best effort, in the background: a worker that does not find it asks this edge for it."""
+        message = PromptPublished(
+            generation_id=generation_id, user_id=user_id, published_at_ms=int(time.time() * 1000), messages=messages
+        )
+        self._background(self._publish_prompt(topic, message))
+
+    async def _publish_prompt(self, topic: str, message: PromptPublished) -> None:
+        assert self.producer is not None
+        try:
+            await self.producer.send_and_wait(topic, encode(message), key=message.generation_id.encode())
+        except KafkaError:
+            self.metrics.prompts_published.labels("false").inc()
+            raise
+        self.metrics.prompts_published.labels("true").inc()
 
     async def _send_payload(self, r: PromptRequest, payload: PromptPayload) -> None:
         assert self.producer is not None

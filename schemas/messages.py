@@ -15,6 +15,12 @@
   dispatch's ``stream_to`` partition) *before* it accepts, and the edge answers on the worker's
   control partition. No answer in time (the edge is gone, so is the client) -> the worker declines,
   which proves the attempt never started and releases the reservation.
+- ``PromptPublished``: edge -> ``prompts.<pool>``, the same content published beside the submit,
+  keyed by the generation id a new key's submit will have (``generation_id_for``), so it lands in
+  the partition its dispatch will: the worker holding that dispatch partition has usually read it
+  before the dispatch arrives and skips the request above (one hop pair off the first-token path,
+  issue 14). A worker that does not find it in time asks the edge as above (a same-key retry of a
+  retryable key, whose generation id the edge cannot know in advance, always does).
 """
 
 from __future__ import annotations
@@ -184,6 +190,16 @@ class PromptPayload:
     messages: tuple[ChatMessage, ...] = ()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptPublished:
+    type: Literal["PromptPublished"] = "PromptPublished"
+    schema_version: int = MESSAGE_SCHEMA_VERSION
+    generation_id: str
+    user_id: str
+    published_at_ms: int
+    messages: tuple[ChatMessage, ...] = ()
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     Outcome,
     DispatchAuthorized,
@@ -194,4 +210,5 @@ MESSAGE_TYPES: tuple[type, ...] = (
     EdgePresence,
     PromptRequest,
     PromptPayload,
+    PromptPublished,
 )

@@ -105,6 +105,19 @@ def dispatch_topic(pool: str, tier: str) -> TopicSpec:
     return TopicSpec(f"chatplane.dispatch.{pool}.{tier}", DISPATCH_PARTITIONS, 6 * HOUR_MS)
 
 
+# How long a published prompt is kept: far past the 15 s queue wait, so a worker that takes its
+# dispatch finds it; content, so its segments roll like the other content topics'.
+PROMPTS_RETENTION_MS = 15 * MINUTE_MS
+
+
+def prompts_topic(pool: str) -> TopicSpec:
+    """The prompts an edge publishes beside its submits to one model pool (``PromptPublished``; key:
+    the generation id the submit will have). Co-partitioned with the pool's dispatch topics (same key,
+    same partition count), so a worker reads the prompt partitions matching the dispatch partitions
+    it holds and has the prompt when it takes the dispatch (workers/prompts.py)."""
+    return TopicSpec(f"chatplane.prompts.{pool}", DISPATCH_PARTITIONS, PROMPTS_RETENTION_MS, segment_ms=CONTENT_SEGMENT_MS)
+
+
 # The processor's faust app id and its table; the changelog topic name faust derives is
 # "<app id>-<table>-changelog", and it must also have USER_PARTITIONS partitions.
 PROCESSOR_APP_ID = "chatplane-admission"
@@ -174,6 +187,9 @@ class Topology:
     def dispatch(self, pool: str, tier: str) -> TopicSpec:
         return self._spec(dispatch_topic(pool, tier))
 
+    def prompts(self, pool: str) -> TopicSpec:
+        return self._spec(prompts_topic(pool))
+
     @property
     def processor_app_id(self) -> str:
         return f"{self.namespace}.{PROCESSOR_APP_ID}" if self.namespace else PROCESSOR_APP_ID
@@ -189,6 +205,7 @@ class Topology:
         """Every topic of this deployment for the catalog's ``pools``, created explicitly (never by
         broker auto-creation): ``projections.shared.kafka_admin.deployment_topics``."""
         dispatch = tuple(self.dispatch(p, t) for p in sorted(set(pools)) for t in TIERS)
+        prompts = tuple(self.prompts(p) for p in sorted(set(pools)))
         return (
             self.commands,
             self.ledger,
@@ -200,4 +217,5 @@ class Topology:
             self.dead_letter,
             self.changelog,
             *dispatch,
+            *prompts,
         )

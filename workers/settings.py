@@ -57,6 +57,13 @@ class WorkerSettings:
     delta_interval_ms: float = setting("CHATPLANE_WORKER_DELTA_INTERVAL_MS", 50.0, ge=0)
     delta_coalesce_chars_max: int = setting("CHATPLANE_WORKER_DELTA_COALESCE_CHARS_MAX", 4096, ge=0)
     prompt_timeout_s: float = setting("CHATPLANE_WORKER_PROMPT_TIMEOUT_S", 2.0, gt=0)
+    # Prompts published beside submits (workers/prompts.py): read them from prompts.<pool>, and wait
+    # this long for one not read yet before asking the edge; the buffer's bounds. Off: always ask.
+    prompt_topic: bool = setting("CHATPLANE_WORKER_PROMPT_TOPIC", True)
+    prompt_topic_wait_ms: float = setting("CHATPLANE_WORKER_PROMPT_TOPIC_WAIT_MS", 25.0, ge=0, le=2_000)
+    prompt_buffer_max: int = setting("CHATPLANE_WORKER_PROMPT_BUFFER_MAX", 4_096, ge=1)
+    prompt_buffer_bytes_max: int = setting("CHATPLANE_WORKER_PROMPT_BUFFER_BYTES_MAX", 16 * 1024 * 1024, ge=1)
+    prompt_buffer_ttl_s: float = setting("CHATPLANE_WORKER_PROMPT_BUFFER_TTL_S", 60.0, gt=0)
     decision_timeout_s: float = setting("CHATPLANE_WORKER_DECISION_TIMEOUT_S", 3.0, gt=0)
     decision_attempts_max: int = setting("CHATPLANE_WORKER_DECISION_ATTEMPTS_MAX", 3, ge=1)
     generation_duration_max_s: float = setting("CHATPLANE_WORKER_GENERATION_DURATION_MAX_S", 120.0, gt=0)

@@ -71,6 +71,7 @@ from workers.engines.base import (
 )
 from workers.engines.base import FinishReason as EngineFinishReason
 from workers.settings import WorkerSettings
+from workers.prompts import PromptTopicReader
 from workers.work import WorkRates, held_work
 
 log = logging.getLogger("chatplane.workers")
@@ -254,7 +255,8 @@ class AttemptTrace:
     declined: str | None = None  # a DeclineReason, "stopped_before_accept" or "not_accepted:<code>"
     accepted: bool = False
     taken_at: float = field(default_factory=time.monotonic)  # the dispatch was taken from its topic
-    prompt_at: float | None = None  # the edge's PromptPayload arrived
+    prompt_at: float | None = None  # the prompt was read (published) or the edge's PromptPayload arrived
+    prompt_published: bool = False  # the prompt came from prompts.<pool>, not from asking the edge
     accepted_at: float | None = None  # the processor's acceptance arrived
     lease_until_ms: int = 0  # the lease the processor confirmed (acceptance or the last renewal)
     engine_started_at: float | None = None
@@ -348,6 +350,11 @@ class Worker:
         self._fenced: collections.OrderedDict[tuple[str, int], StopReason] = collections.OrderedDict()
         self._decisions: dict[str, asyncio.Future[Outcome]] = {}
         self._prompts: dict[tuple[str, int], asyncio.Future[PromptPayload]] = {}
+        self.prompt_reader = PromptTopicReader(
+            settings.kafka_bootstrap, topo.prompts(model.pool).name, settings.prompt_buffer_max,
+            settings.prompt_buffer_bytes_max, settings.prompt_buffer_ttl_s,
+        )
+        self.prompt_reader_on = False
         self._token_samples: collections.deque[tuple[float, int]] = collections.deque(maxlen=TOKEN_RATE_SAMPLES_MAX)
         self._offsets = _OffsetTracker()
         self._to_commit: dict[TopicPartition, int] = {}  # the newest offset per partition not yet committed
@@ -399,6 +406,9 @@ class Worker:
             **kafka_client_kwargs(),
         )
         await self.dispatch_consumer.start()
+        if s.prompt_topic:
+            consumer = self.dispatch_consumer
+            self.prompt_reader_on = await self.prompt_reader.start(lambda: {tp.partition for tp in consumer.assignment()})
         self._loops = [
             asyncio.create_task(self._control_loop(), name="worker-control"),
             asyncio.create_task(self._dispatch_loop(), name="worker-dispatch"),
@@ -427,6 +437,7 @@ class Worker:
                 await task
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._commit_pending(), COMMIT_ON_STOP_TIMEOUT_S)
+        await self.prompt_reader.stop()
         for closeable in (self.dispatch_consumer, self.control_consumer, self.producer):
             if closeable is not None:
                 with contextlib.suppress(Exception):
@@ -798,7 +809,7 @@ class _Attempt:
         if d.stream_to is None:
             await self._decline(DeclineReason.NO_STREAM_TARGET)
             return False
-        payload = await self._request_prompt(d.stream_to)
+        payload = await self._published_prompt() or await self._request_prompt(d.stream_to)
         if payload is None or not payload.found:
             await self._decline(DeclineReason.PROMPT_UNAVAILABLE)
             return False
@@ -806,6 +817,23 @@ class _Attempt:
             await self._decline(DeclineReason.QUEUE_DEADLINE)
             return False
         return await self._request_accept(payload)
+
+    async def _published_prompt(self) -> PromptPayload | None:
+        """TAKEN -> PROMPT_REQUESTED with the prompt its edge published (workers/prompts.py), if it was
+        read in time; None: ask the edge."""
+        w = self.worker
+        if not w.prompt_reader_on:
+            return None
+        messages = await w.prompt_reader.take(self.d.generation_id, self.settings.prompt_topic_wait_ms / 1000)
+        if messages is None:
+            return None
+        self._to(AttemptState.PROMPT_REQUESTED)
+        self.trace.prompt_at = time.monotonic()
+        self.trace.prompt_published = True
+        return PromptPayload(
+            generation_id=self.d.generation_id, epoch=self.d.epoch, worker_id=self.settings.worker_id, found=True,
+            messages=messages,
+        )
 
     async def _request_prompt(self, stream_to: ReplyTo) -> PromptPayload | None:
         """TAKEN -> PROMPT_REQUESTED: ask the edge for the prompt; None when no answer came in time."""

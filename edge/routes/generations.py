@@ -24,6 +24,7 @@ from fastapi import APIRouter, Path, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from control_plane.decide import generation_id_for
 from edge.deps import CurrentPrincipal, IdempotencyKey
 from edge.errors import DRAINING_RETRY_AFTER_S, ApiError
 from edge.fingerprint import fingerprint
@@ -260,6 +261,10 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
         reader_id=edge.edge_id,
         reply_to=edge.client.reply_to(request_id),
     )
+    if settings.prompt_topic:
+        # The generation id a new key's submit gets; the prompt goes where its dispatch will.
+        generation_id = generation_id_for(principal.user_id, command.command_id)
+        edge.hub.publish_prompt(settings.topology.prompts(model.pool).name, generation_id, principal.user_id, messages)
     sent_s = time.monotonic()
     edge.shedder.deciding += 1
     try:

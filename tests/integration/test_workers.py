@@ -100,6 +100,25 @@ async def test_a_generation_streams_from_the_sim_worker_with_usage_heartbeats_an
     assert len(accepted) == 1
 
 
+async def test_a_prompt_published_beside_the_submit_spares_the_round_trip_to_the_edge(kafka_bootstrap, topology, edge):
+    """Issue 14, item 3: the worker reads the prompt from prompts.<pool> (workers/prompts.py) and asks
+    the edge only for one it did not find there."""
+    async with sim_worker(kafka_bootstrap, topology) as worker:
+        text = "Name three colors, then three more, then stop."
+        published = await edge.submit(user(), text=text, publish=True)
+        first = await edge.wait_finalized(published)
+        assert first.status is RequestStatus.COMPLETED
+        trace = worker.traces[(published, 1)]
+        assert trace.prompt_published and trace.accepted and edge.prompt_requests[published] == 0
+        asked = await edge.submit(user(), text=text)  # nothing published: the worker asks the edge
+        second = await edge.wait_finalized(asked)
+        assert second.status is RequestStatus.COMPLETED
+        assert not worker.traces[(asked, 1)].prompt_published and edge.prompt_requests[asked] == 1
+        # The engine saw the same prompt both ways (the sim engine counts its words as input tokens).
+        assert first.input_tokens == second.input_tokens > 10
+        assert worker.prompt_reader.found >= 1 and worker.prompt_reader.missed >= 1
+
+
 async def test_cancel_ordered_before_acceptance_means_no_inference_starts(kafka_bootstrap, topology, edge):
     async with sim_worker(kafka_bootstrap, topology) as worker:
         u = user()

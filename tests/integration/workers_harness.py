@@ -23,12 +23,13 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
+from control_plane.decide import generation_id_for
 from projections.shared.topic_reader import read_topic
 from projections.shared.catalog import CatalogModel, load_catalog
 from projections.shared.command_client import CommandClient
 from schemas import commands as cmd
 from schemas.codes import Tier
-from schemas.messages import ChatMessage, GenerationFinalized, PromptPayload, PromptRequest, TextDelta
+from schemas.messages import ChatMessage, GenerationFinalized, PromptPayload, PromptPublished, PromptRequest, TextDelta
 from schemas.topics import Topology
 from schemas.wire import decode_ledger_entry, encode
 from tests.models import CPU_ALIAS, SIM_ALIAS
@@ -102,12 +103,21 @@ class TestEdge:
         await self.producer.send_and_wait(r.reply_to.topic, encode(payload), partition=r.reply_to.partition)
 
     async def submit(self, user: str, text: str = "Name three colors.", max_output_tokens: int = 64,
-                     tier: Tier = Tier.FREE, hold: bool = False, model_alias: str = SIM_ALIAS) -> str:
+                     tier: Tier = Tier.FREE, hold: bool = False, model_alias: str = SIM_ALIAS,
+                     publish: bool = False) -> str:
+        """Submit for ``user``; with ``publish`` also publish the prompt on prompts.<pool> first, as the
+        edge does (edge/routes/generations.py), so the worker need not ask for it."""
         command = cmd.SubmitGeneration(
             command_id=uuid.uuid4().hex, user_id=user, issued_at_ms=now_ms(), idempotency_key=uuid.uuid4().hex,
             fingerprint="fp-" + uuid.uuid4().hex[:12], model_alias=model_alias, tier=tier, stream=True,
             max_output_tokens=max_output_tokens, input_tokens=10, reply_to=self.client.reply_to(),
         )
+        if publish:
+            gid = generation_id_for(user, command.command_id)
+            published = PromptPublished(generation_id=gid, user_id=user, published_at_ms=now_ms(),
+                                        messages=(ChatMessage("user", text),))
+            pool = load_catalog().get(model_alias).pool
+            await self.producer.send_and_wait(self.topology.prompts(pool).name, encode(published), key=gid.encode())
         # The edge keeps the messages before the decision can arrive (the dispatch may race it).
         outcome = await self.client.decide(command)
         assert outcome.generation_id is not None, outcome
