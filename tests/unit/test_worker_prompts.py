@@ -55,3 +55,13 @@ def test_a_take_waits_for_a_prompt_read_meanwhile():
 
     got, waited = asyncio.run(scenario())
     assert got is not None and waited < 1.0
+
+
+def test_the_prompts_topic_is_co_partitioned_with_the_dispatch_topics():
+    # The edge keys a prompt by the generation id its dispatch is keyed by; the same default
+    # partitioner puts both in the same partition number only if the counts are equal.
+    from schemas.topics import TIERS, Topology
+
+    topo = Topology("ns")
+    for tier in TIERS:
+        assert topo.prompts("pool").partitions == topo.dispatch("pool", tier).partitions
