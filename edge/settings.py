@@ -117,6 +117,9 @@ class EdgeSettings:
     # Publish each submit's prompt on prompts.<pool> beside it, so the worker that takes the dispatch
     # has it without asking this edge (schemas/messages.py PromptPublished); off: workers always ask.
     prompt_topic: bool = setting("CHATPLANE_EDGE_PROMPT_TOPIC", True)
+    # POST /v1/chat/completions without max_tokens / max_completion_tokens gets this output budget
+    # (capped at CHATPLANE_MAX_OUTPUT_TOKENS_MAX).
+    openai_max_tokens_default: int = setting("CHATPLANE_EDGE_OPENAI_MAX_TOKENS_DEFAULT", 512, ge=1)
     # For heartbeats of workers that do not report their work (older versions): one generation's time.
     generation_service_ms_estimate: int = setting("CHATPLANE_EDGE_GENERATION_SERVICE_MS_ESTIMATE", 10_000, ge=0)
     # Until a worker has measured its engine (edge/capacity.py): output tokens per second of one

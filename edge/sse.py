@@ -13,7 +13,7 @@ One event is ``event: <name>\\ndata: <one JSON line>\\n\\n`` in UTF-8; a heartbe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -69,3 +69,32 @@ def terminal(
             "usage": usage,
         },
     )
+
+
+class Framer(Protocol):
+    """How a held stream's events become bytes on the wire: this module's events (``NATIVE``) for
+    ``/v1/generations``, OpenAI's chunks for ``/v1/chat/completions`` (``edge.openai_compat``)."""
+
+    def created(self, generation_id: str, status: str) -> bytes: ...
+
+    def delta(self, generation_id: str, sequence: int, index: int, text: str) -> bytes: ...
+
+    def terminal(
+        self,
+        generation_id: str,
+        sequence: int,
+        status: RequestStatus,
+        code: RejectionCode | None,
+        partial: bool,
+        input_tokens: int,
+        output_tokens: int,
+    ) -> bytes: ...
+
+
+class _Native:
+    created = staticmethod(created)
+    delta = staticmethod(delta)
+    terminal = staticmethod(terminal)
+
+
+NATIVE: Framer = _Native()

@@ -75,6 +75,8 @@ class GenerationStream:
     admitted_s: float
     # The result buffer holds at most this many deltas (a worker sends at most one per token).
     max_output_tokens: int = 1_000_000
+    # How its events are written (the native generation.* events, or OpenAI's chunks).
+    framer: sse.Framer = sse.NATIVE
     buffer: deque[bytes] = field(default_factory=deque)
     buffered_bytes: int = 0
     next_sequence: int = 1
@@ -135,7 +137,7 @@ class StreamHub:
         self.remember(
             GenerationView(stream.generation_id, stream.user_id, RequestStatus.QUEUED, stream.model_version, stream.input_tokens)
         )
-        self._push(stream, sse.created(stream.generation_id, RequestStatus.QUEUED.value), bounded=False)
+        self._push(stream, stream.framer.created(stream.generation_id, RequestStatus.QUEUED.value), bounded=False)
         parked = self.early.pop(stream.generation_id, None)
         if parked is not None:
             for message in parked[1]:
@@ -210,7 +212,7 @@ class StreamHub:
             self.metrics.queue_age.observe(now - stream.admitted_s)
         self._collect(stream, d.text)
         if stream.streaming:
-            frame = sse.delta(stream.generation_id, stream.next_sequence, d.index, d.text)
+            frame = stream.framer.delta(stream.generation_id, stream.next_sequence, d.index, d.text)
             limit = self._over_limit(stream, len(frame))
             if limit is not None:
                 self._slow_consumer(stream, limit)
@@ -280,7 +282,7 @@ class StreamHub:
             self._retain_result(stream)
         self.metrics.terminal_events.labels(status.value).inc()
         if stream.streaming:
-            frame = sse.terminal(
+            frame = stream.framer.terminal(
                 stream.generation_id, stream.next_sequence, status, code, f.partial, f.input_tokens, f.output_tokens
             )
             stream.next_sequence += 1

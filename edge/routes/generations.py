@@ -29,6 +29,7 @@ from edge.deps import CurrentPrincipal, IdempotencyKey
 from edge.errors import DRAINING_RETRY_AFTER_S, ApiError
 from edge.fingerprint import fingerprint
 from edge.settings import EdgeSettings
+from edge import sse
 from edge.streams import GenerationStream, GenerationView, StreamHub
 from projections.shared.command_client import DecisionTimeout, TooManyPending
 from schemas.codes import REJECTIONS, RejectionCode, RequestStatus
@@ -148,7 +149,7 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-async def _read_body(request: Request, limit_bytes: int) -> bytes:
+async def read_body(request: Request, limit_bytes: int) -> bytes:
     """The body, counted while it is read: an oversized body is refused, never buffered whole."""
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -173,11 +174,20 @@ def _parse(body: bytes, model: type[BaseModel]) -> Any:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
         raise ApiError(RejectionCode.INVALID_REQUEST, field="body") from None
+    return validated(doc, model)
+
+
+def validated(doc: Any, model: type[BaseModel], renamed: dict[str, str] | None = None) -> Any:
+    """``doc`` as ``model``; the first error is a 400 naming the field (``renamed`` maps a field's
+    name in ``model`` to the one the client sent) and the bound it passed, if any."""
     try:
         return model.model_validate(doc)
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
+        if renamed:
+            head, _, rest = where.partition(".")
+            where = renamed.get(head, head) + (f".{rest}" if rest else "")
         limit = first.get("ctx", {}).get(_LIMIT_CONTEXT_KEYS.get(first["type"], ""))
         details = RejectionDetails(limit=limit) if isinstance(limit, int) else None
         raise ApiError(RejectionCode.INVALID_REQUEST, details, field=where) from None
@@ -210,10 +220,37 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
     edge = request.app.state.edge
     received_s = time.monotonic()
     settings = edge.settings
+    refuse_while_draining(edge)
+    body = await read_body(request, settings.request_body_bytes_max)
+    req = _parse(body, request_model_for(settings))
+    admitted = await admit(request, principal, key, req, received_s)
+    if isinstance(admitted, Outcome):
+        return await _existing(edge, principal.user_id, admitted)
+    headers = {"X-Request-Id": request.state.request_id}
+    if req.stream:
+        return HeldStreamResponse(edge.hub, admitted, headers={**SSE_HEADERS, **headers})
+    try:
+        view, text = await await_result(edge, request, admitted)
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse(_document(view, text), headers={"Cache-Control": "no-store", **headers})
+
+
+def refuse_while_draining(edge: Any) -> None:
     if edge.hub.draining or edge.hub.full():
         raise ApiError(RejectionCode.CAPACITY_EXHAUSTED, retry_after_s=DRAINING_RETRY_AFTER_S)
-    body = await _read_body(request, settings.request_body_bytes_max)
-    req = _parse(body, request_model_for(settings))
+
+
+async def admit(
+    request: Request, principal: Any, key: str, req: Any, received_s: float, framer: sse.Framer = sse.NATIVE
+) -> GenerationStream | Outcome:
+    """The admission pipeline of one parsed request (``request_model_for``'s shape), shared by
+    ``/v1/generations`` and ``/v1/chat/completions``: checks, shedding, tokens, the burst bucket, the
+    capacity estimate, the processor's decision. Returns the held stream of an admitted generation
+    (its events written by ``framer``), or the outcome of a same-key retry of existing work; a
+    refusal raises ``ApiError``."""
+    edge = request.app.state.edge
+    settings = edge.settings
     if req.messages[-1].role != "user":
         raise ApiError(RejectionCode.INVALID_REQUEST, field=f"messages.{len(req.messages) - 1}.role")
     model = settings.policy.models.get(req.model)
@@ -296,7 +333,7 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
             details = replace(details, limit=settings.policy.concurrency_limit)
         raise ApiError(outcome.code, details, extra=extra)
     if outcome.kind is OutcomeKind.EXISTING:
-        return await _existing(edge, principal.user_id, outcome)
+        return outcome
     assert outcome.kind is OutcomeKind.ADMITTED and outcome.generation_id is not None
     stream = GenerationStream(
         generation_id=outcome.generation_id,
@@ -310,12 +347,10 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
         received_s=received_s,
         admitted_s=time.monotonic(),
         max_output_tokens=req.max_output_tokens,
+        framer=framer,
     )
     edge.hub.hold(stream)
-    headers = {"X-Request-Id": request_id}
-    if req.stream:
-        return HeldStreamResponse(edge.hub, stream, headers={**SSE_HEADERS, **headers})
-    return await _collect(edge, request, stream, headers)
+    return stream
 
 
 class HeldStreamResponse(StreamingResponse):
@@ -339,8 +374,10 @@ class HeldStreamResponse(StreamingResponse):
             self.hub.release(self.stream)
 
 
-async def _collect(edge: Any, request: Request, stream: GenerationStream, headers: dict[str, str]) -> Response:
-    """Non-streaming: the same pipeline into the bounded result buffer, answered as one document."""
+async def await_result(edge: Any, request: Request, stream: GenerationStream) -> tuple[GenerationView, str]:
+    """Non-streaming: the same pipeline into the bounded result buffer; the settled generation and its
+    text. A failure before any header went out is the HTTP answer itself (raised as ``ApiError``); a
+    client gone while waiting ends the request (``ClientGone``)."""
     deadline = time.monotonic() + edge.settings.generation_wait_s_max
     try:
         while not stream.done.is_set():
@@ -348,7 +385,7 @@ async def _collect(edge: Any, request: Request, stream: GenerationStream, header
                 raise ApiError(RejectionCode.GENERATION_TIMEOUT, extra={"generation_id": stream.generation_id})
             await edge.hub.wait_done(stream, DISCONNECT_POLL_S)
             if not stream.done.is_set() and await request.is_disconnected():
-                return Response(status_code=499)
+                raise ClientGone()
     finally:
         edge.hub.release(stream)
     f = stream.finalized
@@ -367,12 +404,23 @@ async def _collect(edge: Any, request: Request, stream: GenerationStream, header
     view = GenerationView(
         stream.generation_id, stream.user_id, status, stream.model_version, f.input_tokens, f.output_tokens, code, f.partial
     )
-    text = "".join(stream.result_parts)
-    return JSONResponse(_document(view, text), headers={"Cache-Control": "no-store", **headers})
+    return view, "".join(stream.result_parts)
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected while it waited (answered 499, which no
+    one reads); the edge's disconnect handling has detached the generation."""
 
 
 async def _existing(edge: Any, user_id: str, outcome: Outcome) -> Response:
     """A same-key retry of a settled generation: its state, and its result while retained."""
+    view, text = await existing_result(edge, user_id, outcome)
+    return JSONResponse(_document(view, text), headers={"Cache-Control": "no-store"})
+
+
+async def existing_result(edge: Any, user_id: str, outcome: Outcome) -> tuple[GenerationView, str | None]:
+    """The state of the generation a same-key retry named, and its text when it completed (a
+    completed one whose text is past its retention is ``result_unavailable``)."""
     assert outcome.generation_id is not None and outcome.status is not None
     view = await edge.lookup(outcome.generation_id, user_id)
     if view is None:
@@ -383,7 +431,7 @@ async def _existing(edge: Any, user_id: str, outcome: Outcome) -> Response:
         text = await edge.result(outcome.generation_id, user_id)
         if text is None:
             raise ApiError(RejectionCode.RESULT_UNAVAILABLE, extra={"generation_id": outcome.generation_id})
-    return JSONResponse(_document(view, text), headers={"Cache-Control": "no-store"})
+    return view, text
 
 
 @router.get(
