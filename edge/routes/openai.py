@@ -89,9 +89,47 @@ async def _optional_key(raw: str | None) -> str:
     return await idempotency_key(raw)
 
 
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """A model's JSON schema with its ``$defs`` written in place, for an operation's request body (a
+    ``#/$defs/...`` reference would resolve against the OpenAPI document's root)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
+_OPENAI_ERRORS = {
+    status: {"description": "OpenAI's error shape: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
+    for status in (400, 401, 403, 409, 410, 429, 502, 503, 504)
+}
+
+
 @router.post(
     "/chat/completions",
     summary="OpenAI-compatible chat completion (stream or not), on the same pipeline as /v1/generations",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": _inlined(ChatCompletionRequest.model_json_schema())}},
+        },
+    },
+    responses={
+        200: {
+            "description": "stream=true: text/event-stream of chat.completion.chunk data lines, then data: [DONE]; "
+            "stream=false: a chat.completion document",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}, "application/json": {"schema": {"type": "object"}}},
+        },
+        **_OPENAI_ERRORS,
+    },
 )
 async def chat_completions(
     request: Request,

@@ -36,7 +36,32 @@ def header(response: object, name: str) -> str:
     return value[0] if isinstance(value, list) else value
 
 
+OPENAI_ROUTES = ("/v1/chat/completions", "/v1/models")
+
+
+def check_openai(response: object, label: str) -> None:
+    """The OpenAI-compatible routes answer errors in OpenAI's shape (edge/openai_compat.py), with
+    the native status of the code and ``x-should-retry`` saying whether a retry can help."""
+    status = response.status_code
+    if status >= 400:
+        assert header(response, "content-type").startswith("application/json"), (label, status)
+        err = response.json()["error"]
+        assert isinstance(err["message"], str) and isinstance(err["type"], str) and "param" in err, (label, err)
+        if err["code"] == "cancelled":
+            assert status == 409, (label, err)
+        else:
+            spec = REJECTIONS[CODES[err["code"]]]
+            assert status == spec.http_status, (label, status, err)
+            assert header(response, "x-should-retry") == ("true" if spec.retryable else "false"), (label, err)
+        if status in (429, 503):
+            assert int(header(response, "retry-after")) >= 1 and int(header(response, "retry-after-ms")) >= 0, (label, err)
+        assert status < 500 or err["code"] in ("capacity_exhausted", "quota_service_unavailable"), (label, status, err)
+
+
 def check(response: object, label: str) -> None:
+    if any(route in label for route in OPENAI_ROUTES):
+        check_openai(response, label)
+        return
     status = response.status_code
     typed_503 = False
     if status >= 400:
@@ -74,6 +99,13 @@ def fuzz(url: str, headers: dict[str, str]) -> dict[str, set[int]]:
                     case.body["model"] = "simulated-text-model"
                     if case.body.get("messages"):
                         case.body["messages"][-1]["role"] = "user"
+                    if op.path == "/v1/chat/completions":
+                        # Only user/assistant turns are served; the default budget is valid.
+                        for m in case.body.get("messages") or []:
+                            if isinstance(m, dict):
+                                m["role"] = "user"
+                        case.body.pop("max_tokens", None)
+                        case.body.pop("max_completion_tokens", None)
                 response = case.call(base_url=url, headers=auth, timeout=30)
                 statuses.setdefault(op.label, set()).add(response.status_code)
                 check(response, f"{op.label} {mode.value}")
@@ -101,3 +133,4 @@ async def test_fuzz_from_openapi_no_5xx_and_every_error_typed(kafka_bootstrap, t
     # The fuzz reached past authentication and validation: admitted, refused and typed-invalid answers.
     assert {200, 400, 401} <= statuses["POST /v1/generations"], statuses
     assert {401, 404} <= statuses["GET /v1/generations/{generation_id}"], statuses
+    assert {200, 400, 401} <= statuses["POST /v1/chat/completions"], statuses
