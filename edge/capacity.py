@@ -13,12 +13,13 @@ workers whose last heartbeat is fresher than ``heartbeat_stale_ms``:
   retryable with the same key);
 - nothing waiting on the pool's dispatch log and a worker with a free slot whose KV room (when it
   reports one) holds this request's prompt plus its expected output -> 0 ms;
-- otherwise the request waits for a slot (or KV room) behind what is ahead of it: the dispatches
-  waiting on the log, those being prepared, and itself. Sequences end at about ``running /
-  mean_left_s`` per second, where ``mean_left_s`` is the running sequences' expected output still to
-  decode (each one's output budget scaled by the measured share generations use, minus what it
-  produced) over the measured per-sequence decode rate; to that comes the prefill of the prompts
-  queued ahead at the measured prefill rate. The last dispatch taken off the log had waited
+- otherwise the request waits for a slot (or KV room) behind the dispatches waiting on the log.
+  The sequences holding slots (running, or taken and being prepared) end at about ``holding /
+  mean_left_s`` per second, where ``mean_left_s`` is their mean expected output still to decode
+  (each one's output budget scaled by the measured share generations use, minus what it produced)
+  over the measured per-sequence decode rate, so ``(backlog + 1) * mean_left_s / holding``; to that
+  comes the prefill of the prompts being prepared at the measured prefill rate. The last dispatch
+  taken off the log had waited
   ``queue_age_ms``: while dispatches wait, the estimate is never below that (a measured queue age
   beats a modelled one);
 - a heartbeat from a worker that does not report its work (an older version) -> the count-based
@@ -107,20 +108,21 @@ class CapacityView:
 
         if backlog == 0 and any(h.free_slots > 0 and fits(h) for h in live):
             return 0
-        running = sum(h.active_sequences for h in live)
-        queued = sum(h.queued for h in live)
-        if running == 0 and backlog == 0 and queued == 0:
+        # The sequences holding slots: running ones, and those taken and being prepared (their slot is
+        # theirs already); each ends after its expected output still to decode.
+        holding = sum(h.active_sequences + h.queued for h in live)
+        if holding == 0 and backlog == 0:
             # Idle, yet no worker has room for it: nothing that ends will make room.
             return NO_CAPACITY_WAIT_MS
         measured_decode = [h.decode_tokens_per_s for h in live if h.decode_tokens_per_s > 0]
         decode = sum(measured_decode) / len(measured_decode) if measured_decode else self.decode_tokens_per_s_estimate
         prefill = sum(h.prefill_tokens_per_s or self.prefill_tokens_per_s_estimate for h in live)
-        ahead = backlog + queued + 1
-        if running > 0:
-            mean_left_s = sum(h.output_tokens_left for h in live) / running / max(decode, 1e-3)
-            slot_wait_s = ahead * mean_left_s / running
-        else:
-            slot_wait_s = 0.0  # slots are being filled by the work being prepared; its prefill is below
+        ahead = backlog + 1  # the dispatches waiting on the log, then this one
+        slot_wait_s = 0.0
+        if holding > 0:
+            left = sum(h.output_tokens_left + h.queued_output_tokens for h in live)
+            mean_left_s = left / holding / max(decode, 1e-3)
+            slot_wait_s = ahead * mean_left_s / holding
         prefill_ahead_s = sum(h.queued_input_tokens for h in live) / max(prefill, 1e-3)
         wait_ms = (slot_wait_s + prefill_ahead_s) * 1000
         if backlog > 0:

@@ -89,6 +89,11 @@ class PromptTopicReader:
         self._task = asyncio.create_task(self._run(held_partitions), name="worker-prompts")
         return True
 
+    @property
+    def following(self) -> frozenset[int]:
+        """The prompt partitions read now (those of the dispatch partitions held, once followed)."""
+        return self._partitions
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()

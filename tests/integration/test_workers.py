@@ -104,6 +104,9 @@ async def test_a_prompt_published_beside_the_submit_spares_the_round_trip_to_the
     """Issue 14, item 3: the worker reads the prompt from prompts.<pool> (workers/prompts.py) and asks
     the edge only for one it did not find there."""
     async with sim_worker(kafka_bootstrap, topology) as worker:
+        # A worker follows the prompt partitions of the dispatch partitions its group gave it; a
+        # dispatch taken before that (right after a start or a rebalance) asks the edge instead.
+        await edge.wait_for(lambda: len(worker.prompt_reader.following) == 4, what="the prompt partitions followed")
         text = "Name three colors, then three more, then stop."
         published = await edge.submit(user(), text=text, publish=True)
         first = await edge.wait_finalized(published)

@@ -45,11 +45,19 @@ def test_the_same_counts_with_more_work_left_wait_longer():
 
 
 def test_a_long_prompt_queued_ahead_counts_as_more_work_than_a_short_one():
-    short_ahead = view_of(hb(queued=1, queued_input_tokens=50, output_tokens_left=4 * 10))
-    long_ahead = view_of(hb(queued=1, queued_input_tokens=100_000, output_tokens_left=4 * 10))
-    # (1 queued + itself) x 25 ms for a slot, plus the prompts ahead at 10,000 tokens/s of prefill.
-    assert wait(short_ahead) == 50 + 5
-    assert wait(long_ahead) == 50 + 10_000
+    # Four running and one being prepared (10 tokens still to decode each): a slot frees in
+    # (10 / 100 s) / 5 = 20 ms, plus the prompt being prepared at 10,000 tokens/s of prefill.
+    short_ahead = view_of(hb(queued=1, queued_input_tokens=50, queued_output_tokens=10, output_tokens_left=4 * 10))
+    long_ahead = view_of(hb(queued=1, queued_input_tokens=100_000, queued_output_tokens=10, output_tokens_left=4 * 10))
+    assert wait(short_ahead) == 20 + 5
+    assert wait(long_ahead) == 20 + 10_000
+
+
+def test_slots_held_by_work_being_prepared_count_its_whole_expected_output():
+    # One slot, taken by a dispatch still being prepared (nothing running yet): a 200-token budget at
+    # 10 tokens/s holds it about 20 s, so the next request's wait is far over any queue budget.
+    view = view_of(hb(active_sequences=0, queued=1, queued_output_tokens=200, output_tokens_left=0, decode_tokens_per_s=10.0))
+    assert wait(view) == 20_000
 
 
 def test_a_free_slot_is_room_only_for_a_request_that_fits_its_kv_cache():
