@@ -22,6 +22,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from fastapi import FastAPI, Request
+from starlette.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -53,6 +54,8 @@ log = logging.getLogger("chatplane.edge")
 
 OPENAPI_TITLE = "chatplane edge"
 OPENAPI_VERSION = "1.0.0"
+# How long a browser may cache a CORS preflight answer.
+CORS_MAX_AGE_S = 600
 
 
 class Edge:
@@ -102,6 +105,8 @@ class Edge:
 
     async def start(self) -> None:
         s = self.settings
+        if self.auth.remote is not None:
+            await self.auth.remote.start()
         # Load each model's tokenizer now (its vocabulary takes most of a second), not on a request.
         for alias in s.policy.models:
             self.count_tokens(alias, (ChatMessage(role="user", content="warm-up"),))
@@ -128,6 +133,8 @@ class Edge:
 
     async def stop(self) -> None:
         self.ready = False
+        if self.auth.remote is not None:
+            await self.auth.remote.stop()
         await self.admission.stop()
         await self.shedder.stop()
         await self.hub.flush_background()
@@ -238,6 +245,18 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
     app.add_exception_handler(Exception, errors.unexpected_error_handler)
 
     app.add_middleware(RequestIdMiddleware)
+    if edge.settings.cors_origin_list:
+        # Outermost: a preflight is answered before authentication. Bearer tokens travel in a header,
+        # so no credentials mode (cookies) is allowed; scripts may read the retry and request-id headers.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=edge.settings.cors_origin_list,
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID"],
+            expose_headers=["Retry-After", "X-Request-Id", "retry-after-ms", "x-should-retry"],
+            allow_credentials=False,
+            max_age=CORS_MAX_AGE_S,
+        )
 
     @app.get("/healthz", include_in_schema=True, tags=["operations"], summary="Liveness")
     async def healthz() -> dict[str, str]:

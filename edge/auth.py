@@ -1,8 +1,9 @@
 """Bearer-token authentication: a JWT gives the principal (``sub``) and its tier (``tier`` claim).
 
 Local use: HS256 with ``CHATPLANE_EDGE_JWT_SECRET`` (tokens from ``python -m edge.mint_token``).
-Production: RS256 verified against the keys of a JWKS file (``CHATPLANE_EDGE_JWKS_PATH``), chosen by
-the token's ``kid``. Issuer, audience and expiry are always checked. A failure of any kind is one
+Production: RS256 verified against the keys of a JWKS, chosen by the token's ``kid``: fetched from the
+identity provider (``CHATPLANE_EDGE_JWKS_URL``, or OIDC discovery from the issuer; refreshed,
+edge/jwks.py) or read from a file (``CHATPLANE_EDGE_JWKS_PATH``). Issuer, audience and expiry are always checked. A failure of any kind is one
 ``unauthorized`` answer; the reason is logged without the token.
 """
 
@@ -18,6 +19,7 @@ import jwt
 
 from edge.admission import PROBE_USER_ID_PREFIX
 from edge.errors import ApiError
+from edge.jwks import RemoteKeys
 from edge.settings import EdgeSettings
 from schemas.codes import RejectionCode, Tier
 
@@ -28,6 +30,10 @@ USER_ID_CHARS_MAX = 128
 # Verified tokens remembered (token -> principal, until its expiry): a client streams many requests
 # with one token, and signature checks were a tenth of the edge's CPU per request. Bounded LRU.
 VERIFIED_TOKENS_MAX = 50_000
+
+
+class _UnknownKid(Exception):
+    """A token signed with a key the provider's cached set lacks (``authenticate_async`` refetches)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +48,21 @@ class Authenticator:
         self.algorithm = settings.jwt_algorithm
         self._keys: dict[str, object] = {}
         self._verified: OrderedDict[str, tuple[Principal, float]] = OrderedDict()
+        # RS256 keys from the provider's URL (edge/jwks.py), refreshed; None: a file, or HS256.
+        self.remote: RemoteKeys | None = None
         if self.algorithm == "RS256":
-            if not settings.jwks_path:
-                raise ValueError("RS256 needs CHATPLANE_EDGE_JWKS_PATH")
-            with open(settings.jwks_path, encoding="utf-8") as f:
-                jwks = json.load(f)
-            for jwk in jwks.get("keys", []):
-                self._keys[jwk.get("kid", "")] = jwt.algorithms.RSAAlgorithm.from_jwk(json.dumps(jwk))
+            if settings.jwks_url or settings.oidc_discovery:
+                self.remote = RemoteKeys(
+                    settings.jwt_issuer, settings.jwks_url, settings.oidc_discovery, settings.jwks_max_age_s,
+                    settings.jwks_refresh_min_interval_s, settings.jwks_fetch_timeout_s,
+                )
+            elif not settings.jwks_path:
+                raise ValueError("RS256 needs CHATPLANE_EDGE_JWKS_PATH, CHATPLANE_EDGE_JWKS_URL or CHATPLANE_EDGE_OIDC_DISCOVERY")
+            else:
+                with open(settings.jwks_path, encoding="utf-8") as f:
+                    jwks = json.load(f)
+                for jwk in jwks.get("keys", []):
+                    self._keys[jwk.get("kid", "")] = jwt.algorithms.RSAAlgorithm.from_jwk(json.dumps(jwk))
         elif self.algorithm != "HS256":
             raise ValueError(f"unsupported JWT algorithm {self.algorithm}")
 
@@ -56,10 +70,26 @@ class Authenticator:
         if self.algorithm == "HS256":
             return self.settings.jwt_secret
         kid = jwt.get_unverified_header(token).get("kid", "")
-        key = self._keys.get(kid)
+        key = (self.remote.keys if self.remote is not None else self._keys).get(kid)
         if key is None:
+            if self.remote is not None:
+                raise _UnknownKid()
             raise jwt.InvalidKeyError("unknown kid")
         return key
+
+    async def authenticate_async(self, authorization: str | None) -> Principal:
+        """``authenticate``, refetching the provider's keys once for a token whose ``kid`` is unknown
+        (bounded by ``CHATPLANE_EDGE_JWKS_REFRESH_MIN_INTERVAL_S``; edge/jwks.py)."""
+        try:
+            return self.authenticate(authorization)
+        except _UnknownKid:
+            if self.remote is not None and await self.remote.refresh_for_unknown_kid():
+                try:
+                    return self.authenticate(authorization)
+                except _UnknownKid:
+                    pass
+            log.info("token rejected: unknown kid")
+            raise ApiError(RejectionCode.UNAUTHORIZED) from None
 
     def authenticate(self, authorization: str | None) -> Principal:
         if not authorization or len(authorization) > AUTH_HEADER_BYTES_MAX:

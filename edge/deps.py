@@ -28,7 +28,7 @@ async def edge_state(request: Request):  # -> edge.app.Edge (not imported: avoid
 
 async def principal(request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> Principal:
     """The bearer token's principal (declared in the spec as the ``bearer`` security scheme)."""
-    return request.app.state.edge.auth.authenticate(authorization)
+    return await request.app.state.edge.auth.authenticate_async(authorization)
 
 
 async def idempotency_key(idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> str:

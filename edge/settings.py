@@ -52,6 +52,17 @@ class EdgeSettings:
     jwt_algorithm: str = setting("CHATPLANE_EDGE_JWT_ALGORITHM", "HS256", choices=("HS256", "RS256"))
     jwt_secret: str = setting("CHATPLANE_EDGE_JWT_SECRET", "")
     jwks_path: str = setting("CHATPLANE_EDGE_JWKS_PATH", "")
+    # RS256 keys from the identity provider instead of a file (edge/jwks.py): the JWKS URL, or OIDC
+    # discovery from the issuer; refreshed when older than the max age, on an unknown kid at most
+    # once per the minimum interval, each fetch bounded by the timeout.
+    jwks_url: str = setting("CHATPLANE_EDGE_JWKS_URL", "")
+    oidc_discovery: bool = setting("CHATPLANE_EDGE_OIDC_DISCOVERY", False)
+    jwks_max_age_s: float = setting("CHATPLANE_EDGE_JWKS_MAX_AGE_S", 3600.0, gt=0)
+    jwks_refresh_min_interval_s: float = setting("CHATPLANE_EDGE_JWKS_REFRESH_MIN_INTERVAL_S", 60.0, ge=0)
+    jwks_fetch_timeout_s: float = setting("CHATPLANE_EDGE_JWKS_FETCH_TIMEOUT_S", 5.0, gt=0)
+    # Browser origins allowed to call the API (CORS), comma-separated, each "scheme://host[:port]";
+    # none by default (no CORS headers at all). "*" is refused: the list is explicit.
+    cors_origins: str = setting("CHATPLANE_EDGE_CORS_ORIGINS", "")
     jwt_issuer: str = setting("CHATPLANE_EDGE_JWT_ISSUER", "chatplane-local")
     jwt_audience: str = setting("CHATPLANE_EDGE_JWT_AUDIENCE", "chatplane-edge")
     jwt_leeway_s: int = setting("CHATPLANE_EDGE_JWT_LEEWAY_S", 30, ge=0)
@@ -150,8 +161,16 @@ class EdgeSettings:
         # anything. Frozen, so a development stand-in is set through object.__setattr__.
         if self.jwt_algorithm == "HS256":
             object.__setattr__(self, "jwt_secret", self._secret("jwt_secret", DEV_JWT_SECRET, "HS256 tokens need it"))
-        elif not self.jwks_path:
-            raise SettingsError(f"{env_var(EdgeSettings, 'jwks_path')} is unset: RS256 tokens are verified against a JWKS file")
+        elif not (self.jwks_path or self.jwks_url or self.oidc_discovery):
+            raise SettingsError(
+                f"{env_var(EdgeSettings, 'jwks_path')}, {env_var(EdgeSettings, 'jwks_url')} and "
+                f"{env_var(EdgeSettings, 'oidc_discovery')} are unset: RS256 tokens are verified against a JWKS"
+            )
+        for origin in self.cors_origin_list:
+            if origin == "*" or "://" not in origin or origin.endswith("/"):
+                raise SettingsError(
+                    f"{env_var(EdgeSettings, 'cors_origins')}: {origin!r} is not an origin (scheme://host[:port]; '*' is refused)"
+                )
         object.__setattr__(
             self, "fingerprint_key", self._secret("fingerprint_key", DEV_FINGERPRINT_KEY, "request fingerprints need it")
         )
@@ -167,6 +186,10 @@ class EdgeSettings:
         if value == built_in:
             raise SettingsError(f"{var} is the public built-in development secret (accepted only with {DEV_MODE_ENV}=1)")
         return value
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
     @property
     def decision_timeout_ms(self) -> int:

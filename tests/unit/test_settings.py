@@ -188,10 +188,22 @@ def test_only_what_the_token_algorithm_needs_is_required(monkeypatch, tmp_path):
     monkeypatch.delenv(DEV_MODE_ENV)
     monkeypatch.setenv("CHATPLANE_FINGERPRINT_KEY", "f" * 32)
     monkeypatch.setenv("CHATPLANE_EDGE_JWT_ALGORITHM", "RS256")
-    with pytest.raises(SettingsError, match="^CHATPLANE_EDGE_JWKS_PATH is unset: "):
+    with pytest.raises(SettingsError, match="^CHATPLANE_EDGE_JWKS_PATH, CHATPLANE_EDGE_JWKS_URL and CHATPLANE_EDGE_OIDC_DISCOVERY are unset: "):
         EdgeSettings()
     monkeypatch.setenv("CHATPLANE_EDGE_JWKS_PATH", str(tmp_path / "jwks.json"))
     assert EdgeSettings().jwt_secret == ""  # no HS256 secret needed, none made up
+    monkeypatch.delenv("CHATPLANE_EDGE_JWKS_PATH")
+    monkeypatch.setenv("CHATPLANE_EDGE_JWKS_URL", "https://id.example/jwks.json")
+    assert EdgeSettings().jwks_url == "https://id.example/jwks.json"
+
+
+def test_cors_origins_are_an_explicit_list(monkeypatch):
+    monkeypatch.setenv("CHATPLANE_EDGE_CORS_ORIGINS", "https://app.example.com, http://127.0.0.1:3000")
+    assert EdgeSettings().cors_origin_list == ["https://app.example.com", "http://127.0.0.1:3000"]
+    for bad in ("*", "app.example.com", "https://app.example.com/"):
+        monkeypatch.setenv("CHATPLANE_EDGE_CORS_ORIGINS", bad)
+        with pytest.raises(SettingsError, match="^CHATPLANE_EDGE_CORS_ORIGINS: "):
+            EdgeSettings()
 
 
 @pytest.mark.parametrize("module", ["edge", "edge.mint_token"])
