@@ -17,7 +17,7 @@ from control_plane.decide import Decision, decide
 from control_plane.evolve import evolve_all
 from control_plane.policy import Policy
 from control_plane.state import UserLedger
-from schemas.commands import Command
+from schemas.commands import Command, QueryUsage
 from schemas.wire import encode, event_from_dict, message_from_dict
 
 # Decisions remembered per user. Redelivery only replays commands after the partition's last
@@ -82,6 +82,10 @@ def handle(
     if source_offset is not None and source_offset <= aggregate.source_offset:
         return aggregate, None, True
     decision = decide(aggregate.ledger, command, policy)
+    if isinstance(command, QueryUsage):
+        # A read: nothing to remember (a redelivery is simply answered again) and nothing changes,
+        # so the processor writes nothing for it (the same aggregate object comes back).
+        return aggregate, decision, False
     ledger = evolve_all(aggregate.ledger, decision.events)
     recent = (*aggregate.recent[-(RECENT_DECISIONS_MAX - 1) :], Remembered.of(command.command_id, decision))
     offset = aggregate.source_offset if source_offset is None else source_offset

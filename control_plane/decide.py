@@ -34,12 +34,13 @@ from schemas.commands import (
     Command,
     DeclineAttempt,
     DetachReader,
+    QueryUsage,
     ReconcileDue,
     RenewLease,
     ReportAttemptFinished,
     SubmitGeneration,
 )
-from schemas.messages import Outcome, OutcomeKind, RejectionDetails
+from schemas.messages import Outcome, OutcomeKind, RejectionDetails, UsageSnapshot
 
 # Retry hints for the two retryable admission refusals the ledger decides.
 CONCURRENCY_RETRY_AFTER_MS = 2_000
@@ -123,6 +124,8 @@ def decide(state: UserLedger, command: Command, policy: Policy) -> Decision:
             return _attach(state, command, out)
         case ReportAttemptFinished():
             return _report(state, command, policy, out)
+        case QueryUsage():
+            return _query_usage(state, command, policy, out)
         case ReconcileDue():
             return _reconcile(state, command, policy, out)
         case _:
@@ -187,6 +190,25 @@ def _quota_details(state: UserLedger, record: RequestRecord, policy: Policy) -> 
     limit = window.limit if window else policy.quota_limit(record.tier)
     remaining = max(0, limit - window.used - window.reserved) if window else limit
     return RejectionDetails(limit=limit, remaining=remaining, reset_at_ms=record.reset_at_ms)
+
+
+def _query_usage(state: UserLedger, c: QueryUsage, policy: Policy, out: _Emitter) -> Decision:
+    """The quota window a submit issued now would be charged to (``_admit``'s choice), and the slots."""
+    window_start = max(policy.window_start_ms(c.issued_at_ms), state.open_windows_from_ms)
+    window = state.windows.get(window_start)
+    limit = window.limit if window else policy.quota_limit(c.tier)
+    used, reserved = (window.used, window.reserved) if window else (0, 0)
+    snapshot = UsageSnapshot(
+        window_start_ms=window_start,
+        window_end_ms=window_start + policy.window_ms,
+        limit=limit,
+        used=used,
+        reserved=reserved,
+        remaining=max(0, limit - used - reserved),
+        active=len(state.slots),
+        concurrency_limit=policy.concurrency_limit,
+    )
+    return out.decision(OutcomeKind.EXISTING, usage=snapshot)
 
 
 def read_past_deadline(c: SubmitGeneration) -> bool:

@@ -36,7 +36,7 @@ from edge.deps import new_request_id
 from edge.metrics import EdgeMetrics
 from edge.ratelimit import TokenBuckets
 from edge.readmodel import ReadModel
-from edge.routes import generations, openai
+from edge.routes import generations, openai, usage
 from edge.settings import EdgeSettings
 from edge.shedding import LoadShedder
 from edge.streams import GenerationView, StreamHub
@@ -239,6 +239,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
     app.openapi = lambda: app.openapi_schema or _cache_openapi(app)  # type: ignore[method-assign]
     app.include_router(generations.router)
     app.include_router(openai.router)
+    app.include_router(usage.router)
     app.add_exception_handler(errors.ApiError, errors.api_error_handler)
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)

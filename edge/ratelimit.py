@@ -69,5 +69,13 @@ class TokenBuckets:
             return 0.0
         return math.ceil((1.0 - bucket.tokens) * self.refill_interval_s * 1000) / 1000
 
+    def available(self, user_id: str) -> float:
+        """Tokens ``user_id`` could take now, without taking one (a user never seen has a full bucket)."""
+        bucket = self._buckets.get(user_id)
+        if bucket is None:
+            return self.capacity_tokens
+        elapsed = max(0.0, self.clock_s() - bucket.updated_s)
+        return min(self.capacity_tokens, bucket.tokens + elapsed / self.refill_interval_s)
+
     def __len__(self) -> int:
         return len(self._buckets)

@@ -204,6 +204,22 @@ class ReconcileDue:
     reply_to: ReplyTo | None = None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueryUsage:
+    """Read-only: the user's current quota window, reservations and concurrency slots as the
+    processor holds them when it reads this command (``GET /v1/usage``). Decides nothing, appends no
+    event and changes no state; riding the user's partition, it sees every command of the user
+    appended before it."""
+
+    type: Literal["QueryUsage"] = "QueryUsage"
+    schema_version: int = COMMAND_SCHEMA_VERSION
+    command_id: Id
+    user_id: Id
+    issued_at_ms: Millis
+    tier: Tier
+    reply_to: ReplyTo | None = None
+
+
 Command = (
     SubmitGeneration
     | AcceptAttempt
@@ -214,6 +230,7 @@ Command = (
     | AttachReader
     | ReportAttemptFinished
     | ReconcileDue
+    | QueryUsage
 )
 COMMAND_TYPES: tuple[type, ...] = (
     SubmitGeneration,
@@ -225,4 +242,5 @@ COMMAND_TYPES: tuple[type, ...] = (
     AttachReader,
     ReportAttemptFinished,
     ReconcileDue,
+    QueryUsage,
 )

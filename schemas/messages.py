@@ -53,6 +53,20 @@ class RejectionDetails:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class UsageSnapshot:
+    """A ``QueryUsage``'s answer: the quota window of the query's time and the slots held."""
+
+    window_start_ms: int
+    window_end_ms: int
+    limit: int
+    used: int  # messages consumed in the window
+    reserved: int  # messages reserved, not yet consumed or released
+    remaining: int
+    active: int  # concurrency slots held
+    concurrency_limit: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Outcome:
     type: Literal["Outcome"] = "Outcome"
     schema_version: int = MESSAGE_SCHEMA_VERSION
@@ -67,6 +81,7 @@ class Outcome:
     details: RejectionDetails = field(default_factory=RejectionDetails)
     # Set when a completed generation's result is still retained (the edge then reads the store).
     result_expires_at_ms: int | None = None
+    usage: UsageSnapshot | None = None  # the answer to a QueryUsage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

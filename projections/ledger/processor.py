@@ -468,7 +468,9 @@ class AdmissionProcessor:
         try:
             before, layout = self._aggregate(user_key, command.user_id)
             after, decision, redelivered = handle(before, command, self.policy, offset)
-            if decision is not None and not redelivered:
+            # A read (QueryUsage) returns the aggregate itself: nothing to store.
+            unchanged = after is before
+            if decision is not None and not redelivered and not unchanged:
                 writes = plan(after, layout, self.policy)
                 deadline = writes.deadline_ms
         except Exception as exc:  # noqa: BLE001 - a bug must not stop every user of the partition
@@ -484,7 +486,7 @@ class AdmissionProcessor:
             return pending
         if redelivered:
             self.stats.redelivered += 1
-        else:
+        elif not unchanged:
             pending.key, pending.writes, pending.aggregate = user_key, writes, after
             self._unwritten[user_key] = (after, writes.layout)
             if deadline is None:

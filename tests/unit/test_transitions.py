@@ -11,11 +11,12 @@ from dataclasses import replace
 
 import pytest
 
-from control_plane.aggregate import handle
+from control_plane.aggregate import Aggregate, handle
 from control_plane.decide import next_deadline_ms
 from control_plane.evolve import evolve_all
 from control_plane.policy import ModelEntry, Policy
 from control_plane.state import UserLedger
+from schemas import commands as cmd
 from schemas import events as ev
 from schemas.codes import (
     REJECTIONS,
@@ -847,3 +848,20 @@ def cmd_accept(L: Ledger, generation_id: str):
     from schemas.commands import AcceptAttempt
 
     return AcceptAttempt(**L._base(generation_id=generation_id, epoch=1, worker_id="w1"))
+
+
+def test_a_usage_query_reports_the_window_and_slots_and_changes_nothing():
+    L = Ledger()
+    running(L, key="k1")
+    admitted(L, key="k2")
+    before = L.aggregate
+    query = cmd.QueryUsage(command_id="q1", user_id=L.user_id, issued_at_ms=L.now_ms, tier=Tier.FREE)
+    after, decision, redelivered = handle(before, query, L.policy)
+    assert after is before and decision.events == () and not redelivered
+    u = decision.outcome.usage
+    assert (u.limit, u.used, u.reserved, u.remaining) == (40, 1, 1, 38)
+    assert (u.window_start_ms, u.window_end_ms) == (T0, T0 + 3 * HOUR)
+    assert (u.active, u.concurrency_limit) == (2, L.policy.concurrency_limit)
+    # A user never seen: the whole allowance of the tier's window.
+    fresh = handle(Aggregate.empty("nobody"), replace(query, user_id="nobody", tier=Tier.PAID), L.policy)[1].outcome.usage
+    assert (fresh.used, fresh.remaining, fresh.active) == (0, L.policy.quota_limit(Tier.PAID), 0)
