@@ -91,7 +91,7 @@ class PromptTopicReader:
 
     @property
     def following(self) -> frozenset[int]:
-        """The prompt partitions read now (those of the dispatch partitions held, once followed)."""
+        """The prompt partitions read now (those of the dispatch partitions held), each positioned."""
         return self._partitions
 
     async def stop(self) -> None:
@@ -152,7 +152,6 @@ class PromptTopicReader:
     async def _follow(self, wanted: frozenset[int]) -> None:
         assert self._consumer is not None
         added = wanted - self._partitions
-        self._partitions = wanted
         self._consumer.assign([TopicPartition(self.topic, p) for p in sorted(wanted)])
         if added:
             since = int(time.time() * 1000) - PROMPT_LOOKBACK_MS
@@ -164,6 +163,10 @@ class PromptTopicReader:
                     self._consumer.seek(tp, at.offset)
                 else:
                     await self._consumer.seek_to_end(tp)
+                # Resolve the position now: aiokafka resolves "the end" lazily, at the next fetch,
+                # and a prompt published in between would be skipped.
+                await self._consumer.position(tp)
+        self._partitions = wanted
 
     async def _run(self, held_partitions: Callable[[], set[int]]) -> None:
         assert self._consumer is not None
