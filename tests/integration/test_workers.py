@@ -103,7 +103,11 @@ async def test_a_generation_streams_from_the_sim_worker_with_usage_heartbeats_an
 async def test_a_prompt_published_beside_the_submit_spares_the_round_trip_to_the_edge(kafka_bootstrap, topology, edge):
     """Issue 14, item 3: the worker reads the prompt from prompts.<pool> (workers/prompts.py) and asks
     the edge only for one it did not find there."""
-    async with sim_worker(kafka_bootstrap, topology) as worker:
+    # The prompt is on the topic before the submit is sent; a wait of 500 ms (25 by default) keeps a
+    # loaded CI machine's scheduling out of what this test checks.
+    settings = worker_settings(kafka_bootstrap, topology, prompt_topic_wait_ms=500.0)
+    cfg = SimConfig(ttft_ms=20, inter_token_ms=10, jitter_ms=1, output_tokens=12)
+    async with Worker(settings, SimulatedEngine(cfg), served()) as worker:
         # A worker follows the prompt partitions of the dispatch partitions its group gave it; a
         # dispatch taken before that (right after a start or a rebalance) asks the edge instead.
         await edge.wait_for(lambda: len(worker.prompt_reader.following) == 4, what="the prompt partitions followed")
