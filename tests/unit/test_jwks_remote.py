@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -89,6 +89,21 @@ def settings_for(p: Provider, **over: Any) -> EdgeSettings:
     return EdgeSettings(**{**base, **over})
 
 
+def with_remote_keys(settings: EdgeSettings, scenario: Callable[[Authenticator], Awaitable[None]]) -> None:
+    """Run ``scenario`` with an authenticator whose keys come from the provider (started, then stopped)."""
+
+    async def main() -> None:
+        auth = Authenticator(settings)
+        assert auth.remote is not None
+        await auth.remote.start()
+        try:
+            await scenario(auth)
+        finally:
+            await auth.remote.stop()
+
+    asyncio.run(main())
+
+
 def bearer(settings: EdgeSettings, pem: str, kid: str, user: str = "bob") -> str:
     return "Bearer " + mint(settings, user, Tier.PAID, private_key=pem, kid=kid)
 
@@ -99,33 +114,27 @@ def test_keys_come_from_discovery_rotate_in_and_survive_an_outage(provider: Prov
     provider.jwks = {"keys": [jwk1]}
     settings = settings_for(provider)
 
-    async def scenario() -> None:
-        auth = Authenticator(settings)
-        assert auth.remote is not None
-        await auth.remote.start()
-        try:
-            assert (await auth.authenticate_async(bearer(settings, pem1, "k1"))).user_id == "bob"
-            assert provider.requests == ["/.well-known/openid-configuration", "/keys"]
-            # The provider rotates in k2 before the cached set is due: the unknown kid triggers a refetch.
-            provider.jwks = {"keys": [jwk1, jwk2]}
-            await asyncio.sleep(0.35)
-            assert (await auth.authenticate_async(bearer(settings, pem2, "k2", "carol"))).user_id == "carol"
-            fetched = len(provider.requests)
-            # Made-up kids cost at most one refetch per minimum interval, and are refused.
-            for _ in range(5):
-                with pytest.raises(ApiError):
-                    await auth.authenticate_async(bearer(settings, pem2, "made-up", "mallory"))
-            assert len(provider.requests) <= fetched + 2
-            # The provider goes down: the cached keys keep serving (a new token, so no verified-token cache).
-            provider.down = True
-            await asyncio.sleep(0.35)
-            assert await auth.remote.refresh() is False
-            assert (await auth.authenticate_async(bearer(settings, pem1, "k1", "dave"))).user_id == "dave"
-            assert auth.remote.failures >= 1 and set(auth.remote.keys) == {"k1", "k2"}
-        finally:
-            await auth.remote.stop()
+    async def scenario(auth: Authenticator) -> None:
+        assert (await auth.authenticate_async(bearer(settings, pem1, "k1"))).user_id == "bob"
+        assert provider.requests == ["/.well-known/openid-configuration", "/keys"]
+        # The provider rotates in k2 before the cached set is due: the unknown kid triggers a refetch.
+        provider.jwks = {"keys": [jwk1, jwk2]}
+        await asyncio.sleep(0.35)
+        assert (await auth.authenticate_async(bearer(settings, pem2, "k2", "carol"))).user_id == "carol"
+        fetched = len(provider.requests)
+        # Made-up kids cost at most one refetch per minimum interval, and are refused.
+        for _ in range(5):
+            with pytest.raises(ApiError):
+                await auth.authenticate_async(bearer(settings, pem2, "made-up", "mallory"))
+        assert len(provider.requests) <= fetched + 2
+        # The provider goes down: the cached keys keep serving (a new token, so no verified-token cache).
+        provider.down = True
+        await asyncio.sleep(0.35)
+        assert await auth.remote.refresh() is False
+        assert (await auth.authenticate_async(bearer(settings, pem1, "k1", "dave"))).user_id == "dave"
+        assert auth.remote.failures >= 1 and set(auth.remote.keys) == {"k1", "k2"}
 
-    asyncio.run(scenario())
+    with_remote_keys(settings, scenario)
 
 
 def test_keys_published_for_another_issuer_are_never_trusted(provider: Provider) -> None:
@@ -134,18 +143,12 @@ def test_keys_published_for_another_issuer_are_never_trusted(provider: Provider)
     provider.issuer = "https://someone-else.example"  # the discovery document names another issuer
     settings = settings_for(provider, jwt_issuer=provider.url)
 
-    async def scenario() -> None:
-        auth = Authenticator(settings)
-        assert auth.remote is not None
-        await auth.remote.start()
-        try:
-            assert auth.remote.keys == {}
-            with pytest.raises(ApiError):
-                await auth.authenticate_async(bearer(settings, pem, "k1"))
-        finally:
-            await auth.remote.stop()
+    async def scenario(auth: Authenticator) -> None:
+        assert auth.remote.keys == {}
+        with pytest.raises(ApiError):
+            await auth.authenticate_async(bearer(settings, pem, "k1"))
 
-    asyncio.run(scenario())
+    with_remote_keys(settings, scenario)
 
 
 def test_a_token_of_another_issuer_is_refused_with_a_known_key(provider: Provider) -> None:
@@ -155,17 +158,11 @@ def test_a_token_of_another_issuer_is_refused_with_a_known_key(provider: Provide
     other = EdgeSettings(jwt_algorithm="RS256", jwt_issuer="https://other.example", jwks_url=provider.url + "/keys",
                          fingerprint_key="f" * 32)
 
-    async def scenario() -> None:
-        auth = Authenticator(settings)
-        assert auth.remote is not None
-        await auth.remote.start()
-        try:
-            with pytest.raises(ApiError):
-                await auth.authenticate_async("Bearer " + mint(other, "bob", Tier.PAID, private_key=pem, kid="k1"))
-        finally:
-            await auth.remote.stop()
+    async def scenario(auth: Authenticator) -> None:
+        with pytest.raises(ApiError):
+            await auth.authenticate_async("Bearer " + mint(other, "bob", Tier.PAID, private_key=pem, kid="k1"))
 
-    asyncio.run(scenario())
+    with_remote_keys(settings, scenario)
 
 
 def test_cors_answers_only_the_listed_origins_and_exposes_the_retry_headers() -> None:
