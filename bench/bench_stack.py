@@ -94,6 +94,9 @@ def kafka_log_bytes(stack: Stack) -> Counter[str]:
     return sizes
 
 
+API_PATHS = {"generations": "/v1/generations", "openai": "/v1/chat/completions"}
+
+
 async def kafka_records(stack: Stack) -> Counter[str]:
     """Records appended so far per topic (the sum of its partitions' end offsets; transactional
     markers count as records)."""
@@ -166,10 +169,22 @@ async def one(http: httpx.AsyncClient, stack: Stack, s: Sample) -> None:
 
 async def peer_one(http: httpx.AsyncClient, peer: LiteLLMPeer, s: Sample) -> None:
     """The same request to LiteLLM's OpenAI-compatible endpoint (decided: its 200's headers arrived)."""
+    await chat_completion(http, peer.headers(), s)
+
+
+async def ours_openai(http: httpx.AsyncClient, stack: Stack, s: Sample) -> None:
+    """The same request to chatplane's ``/v1/chat/completions`` (``--api openai``), as a new user."""
+    user = f"b{uuid.uuid4().hex[:12]}"
+    await chat_completion(http, {"Authorization": f"Bearer {stack.token(user)}", "Idempotency-Key": uuid.uuid4().hex}, s)
+
+
+async def chat_completion(http: httpx.AsyncClient, headers: dict[str, str], s: Sample) -> None:
+    """One streamed OpenAI chat completion (decided: its 200's headers arrived; first token: the first
+    chunk with content)."""
     body = {"model": MODEL, "stream": True, "max_tokens": OUTPUT_TOKENS,
             "messages": [{"role": "user", "content": "Say eight words."}]}
     try:
-        async with http.stream("POST", "/v1/chat/completions", json=body, headers=peer.headers()) as resp:
+        async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 await _error_answer(resp, s)
                 return
@@ -305,12 +320,16 @@ async def bench(args: argparse.Namespace, work: Path) -> None:
         idle = await idle_cpu(lambda: stack_pids(stack), args.idle_s)
         print(f"chatplane idle over {args.idle_s:g} s, % of one core: "
               + ", ".join(f"{k} {v:.1f}" for k, v in sorted(idle.items())), flush=True)
+        sends = {"generations": one, "openai": ours_openai}
         for rate in args.rates:
-            phase = await run_rate(rate, args.seconds, args.tail_s, stack.edge_urls[0],
-                                   lambda http, s: one(http, stack, s), lambda: stack_pids(stack), stack)
-            ours.append(phase)
-            print(report(phase), flush=True)
-            await asyncio.sleep(args.pause_s)
+            for api in args.api:
+                send = sends[api]
+                phase = await run_rate(rate, args.seconds, args.tail_s, stack.edge_urls[0],
+                                       lambda http, s, send=send: send(http, stack, s), lambda: stack_pids(stack), stack)
+                if api == args.api[0]:
+                    ours.append(phase)
+                print(report(phase, "chatplane" if api == "generations" else f"chatplane {API_PATHS[api]}"), flush=True)
+                await asyncio.sleep(args.pause_s)
     finally:
         stack.stop()
     if args.peer != "litellm":
@@ -350,8 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-venv", type=Path, default=DEFAULT_VENV, help="where LiteLLM is (installed there when missing)")
     p.add_argument("--peer-workers", type=int, default=1, help="LiteLLM proxy worker processes")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="a setting for every chatplane component")
+    p.add_argument("--api", type=lambda v: v.split(","), default=["generations"],
+                   help="chatplane's API(s) per rate, one phase each, in this order: generations, openai "
+                        "(/v1/chat/completions on the same pipeline); the first is the one compared with the peer")
     p.add_argument("--work-dir", type=Path)
     args = p.parse_args(argv)
+    unknown = sorted(set(args.api) - set(API_PATHS))
+    if unknown:
+        p.error(f"--api: unknown {', '.join(unknown)} (expected {', '.join(API_PATHS)})")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="chatplane-bench-"))
     asyncio.run(bench(args, work))
     return 0
