@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 import tempfile
 import time
@@ -95,6 +96,7 @@ def kafka_log_bytes(stack: Stack) -> Counter[str]:
 
 
 API_PATHS = {"generations": "/v1/generations", "openai": "/v1/chat/completions"}
+FIRST_CONTENT = re.compile(rb'"content":\s?"[^"]')
 
 
 async def kafka_records(stack: Stack) -> Counter[str]:
@@ -192,7 +194,9 @@ async def chat_completion(http: httpx.AsyncClient, headers: dict[str, str], s: S
             tail = b""
             async for chunk in resp.aiter_raw():
                 window = tail + chunk
-                if s.first_token is None and b'"content":"' in window.replace(b'": "', b'":"'):
+                # The first chunk with text: a role chunk's empty content (chatplane sends one at
+                # admission, as OpenAI does) is not a token.
+                if s.first_token is None and FIRST_CONTENT.search(window):
                     s.first_token = time.monotonic()
                 if b"data: [DONE]" in window:
                     s.code = "completed"
