@@ -128,6 +128,9 @@ def retained_until_ms(record: RequestRecord, dedup_retention_ms: int) -> int | N
     A terminal record is kept ``dedup_retention_ms`` after it became terminal, an admission-retryable
     one (settled but not terminal) as long after its latest change. The one definition of the
     retention, used by ``decide`` (purges, the bound's refusal) and by the invariant monitor.
+    ``decide._reconcile`` and ``decide.next_deadline_ms`` inline the same rule in their scan over every
+    record (a call per record was most of a ``ReconcileDue``); the monitor, which calls this function,
+    reports a purge that diverges from it (invariant 7).
     """
     if record.status.active:
         return None

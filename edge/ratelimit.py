@@ -61,8 +61,7 @@ class TokenBuckets:
                 self._buckets.popitem(last=False)
         else:
             self._buckets.move_to_end(user_id)
-            elapsed = max(0.0, now - bucket.updated_s)
-            bucket.tokens = min(self.capacity_tokens, bucket.tokens + elapsed / self.refill_interval_s)
+            bucket.tokens = self._refilled(bucket, now)
             bucket.updated_s = now
         if bucket.tokens >= 1.0:
             bucket.tokens -= 1.0
@@ -72,9 +71,11 @@ class TokenBuckets:
     def available(self, user_id: str) -> float:
         """Tokens ``user_id`` could take now, without taking one (a user never seen has a full bucket)."""
         bucket = self._buckets.get(user_id)
-        if bucket is None:
-            return self.capacity_tokens
-        elapsed = max(0.0, self.clock_s() - bucket.updated_s)
+        return self.capacity_tokens if bucket is None else self._refilled(bucket, self.clock_s())
+
+    def _refilled(self, bucket: _Bucket, now: float) -> float:
+        """The bucket's tokens at ``now``: what it held plus the refill since, up to capacity."""
+        elapsed = max(0.0, now - bucket.updated_s)
         return min(self.capacity_tokens, bucket.tokens + elapsed / self.refill_interval_s)
 
     def __len__(self) -> int:

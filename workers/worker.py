@@ -565,7 +565,7 @@ class Worker:
             highwater = consumer.highwater(tp)
             if highwater is not None:
                 self._backlog[tp] = max(0, highwater - record.offset - 1)
-            self._queue_age_ms = max(0, now_ms() - record.timestamp) if record.timestamp and record.timestamp > 0 else 0
+            self._queue_age_ms = max(0, now_ms() - record.timestamp) if record.timestamp > 0 else 0  # -1: no timestamp
             self._taken[tier] += 1
             self._offsets.begin(tp, record.offset)
             self.free_slots -= 1

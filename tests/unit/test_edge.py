@@ -521,6 +521,12 @@ def test_token_bucket_capacity_refill_and_fleet_share():
     now[0] += 3.0
     assert b.take("u") == 0.0 and b.take("u") > 0
     assert b.take("other") == 0.0  # per user
+    # GET /v1/usage reads the bucket without taking from it: refilled to now, capped at capacity.
+    now[0] += 1.5
+    assert b.available("u") == pytest.approx(0.5) and b.available("u") == pytest.approx(0.5)
+    assert b.available("never-seen") == 20
+    now[0] += 300.0
+    assert b.available("u") == 20
     shared = TokenBuckets.for_fleet(20, 3.0, 100, replicas=4, sticky=False)
     assert (shared.capacity_tokens, shared.refill_interval_s) == (5, 12.0)
     small = TokenBuckets(2, 1.0, users_max=2)
