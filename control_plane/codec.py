@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from control_plane.aggregate import Aggregate, Remembered
-from control_plane.state import Attempt, QuotaWindow, RequestRecord, Reservation, UsageEntry, UserLedger, reservation_id
+from control_plane.state import Attempt, Conversation, QuotaWindow, RequestRecord, Reservation, UsageEntry, UserLedger, reservation_id
 from schemas.codes import CancelReason, RejectionCode, RequestStatus, ReservationState, Tier
 from schemas.commands import ReplyTo
 
@@ -112,4 +112,7 @@ def load_ledger(d: dict[str, Any]) -> UserLedger:
         usage={k: UsageEntry(**v) for k, v in d["usage"].items()},
         last_event_ms=d["last_event_ms"],
         open_windows_from_ms=d.get("open_windows_from_ms", 0),
+        # Absent from values stored before conversations (2026-12-05).
+        conversations={k: Conversation(**v) for k, v in d.get("conversations", {}).items()},
+        conversation_tombstones=dict(d.get("conversation_tombstones", {})),
     )

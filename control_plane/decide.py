@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, assert_never
 
 from control_plane.policy import Policy
-from control_plane.state import RequestRecord, UserLedger, reservation_id, retained_until_ms, usage_key
+from control_plane.state import Conversation, RequestRecord, UserLedger, reservation_id, retained_until_ms, usage_key
 from schemas import events as ev
 from schemas.codes import (
     CancelReason,
@@ -32,6 +32,9 @@ from schemas.commands import (
     AttachReader,
     CancelGeneration,
     Command,
+    CommitAnswer,
+    CreateConversation,
+    DeleteConversation,
     DeclineAttempt,
     DetachReader,
     QueryUsage,
@@ -53,6 +56,13 @@ _FAILURE_CODES = frozenset({RejectionCode.MODEL_BACKEND_ERROR, RejectionCode.GEN
 class Decision:
     events: tuple[ev.Event, ...]
     outcome: Outcome
+
+
+def conversation_id_for(user_id: str, idempotency_key: str) -> str:
+    """A conversation's id, derived from its creator and the create request's Idempotency-Key: a
+    same-key retry names the same conversation."""
+    digest = hashlib.blake2b(f"{user_id}\x00{idempotency_key}".encode(), digest_size=12, person=b"chatplane-conv").digest()
+    return "conv_" + base64.b32encode(digest).decode().lower().rstrip("=")
 
 
 def generation_id_for(user_id: str, command_id: str) -> str:
@@ -128,6 +138,12 @@ def decide(state: UserLedger, command: Command, policy: Policy) -> Decision:
             return _query_usage(state, command, policy, out)
         case ReconcileDue():
             return _reconcile(state, command, policy, out)
+        case CreateConversation():
+            return _create_conversation(state, command, policy, out)
+        case DeleteConversation():
+            return _delete_conversation(state, command, policy, out)
+        case CommitAnswer():
+            return _commit_answer(state, command, out)
         case _:
             assert_never(command)
 
@@ -268,6 +284,12 @@ def _admit(
         return refuse(
             RejectionCode.QUOTA_SERVICE_UNAVAILABLE, RequestStatus.ADMISSION_RETRYABLE, RejectionDetails(), late=True
         )
+    turn: tuple[Conversation, int] | None = None
+    if c.conversation_id:
+        checked = _turn_conversation(state, c, out, generation_id, epoch)
+        if isinstance(checked, Decision):
+            return checked
+        turn = checked
     if held >= limit:
         return refuse(
             RejectionCode.QUOTA_EXHAUSTED,
@@ -311,6 +333,19 @@ def _admit(
         reader_id=c.reader_id,
         reply_to=c.reply_to,
     )
+    revision = None
+    if turn is not None:
+        conversation, restored_from = turn
+        if restored_from >= 0:
+            out.emit(ev.ConversationRestored, "", conversation_id=c.conversation_id, revision=restored_from)
+        revision = conversation.revision if c.regenerate else conversation.revision + 1
+        out.emit(
+            ev.ConversationTurnCommitted,
+            generation_id,
+            conversation_id=c.conversation_id,
+            revision=revision,
+            regenerate=c.regenerate,
+        )
     return out.decision(
         OutcomeKind.ADMITTED,
         generation_id=generation_id,
@@ -318,7 +353,187 @@ def _admit(
         epoch=epoch,
         model_version=model_version,
         details=RejectionDetails(limit=limit, remaining=limit - held - 1, reset_at_ms=window_end),
+        conversation_id=c.conversation_id or None,
+        revision=revision,
     )
+
+
+# --- conversations (docs/conversations.md) ----------------------------------------------------
+
+
+def _held_conversation(
+    state: UserLedger, conversation_id: str, restore_revision: int, restorable: bool
+) -> tuple[Conversation, int] | None:
+    """The conversation as decisions see it, and the revision it is restored from (-1: it was held).
+
+    One the hot state holds is authoritative. One it does not hold is known only through the
+    issuer's read of its stored row: parked at ``restore_revision``. That read is trusted only when
+    ``restorable`` (the command is within its decision deadline, which is far shorter than the
+    minimum idle time before a park, so no park can have followed the read) and no tombstone says
+    it was deleted. Anything else is unknown: ``None``.
+    """
+    conversation = state.conversations.get(conversation_id)
+    if conversation is not None:
+        return conversation, -1
+    if conversation_id in state.conversation_tombstones or restore_revision < 0 or not restorable:
+        return None
+    return Conversation(revision=restore_revision, updated_at_ms=0), restore_revision
+
+
+def _restorable(c: SubmitGeneration | DeleteConversation) -> bool:
+    if isinstance(c, SubmitGeneration):
+        return c.decide_by_ms > 0 and not read_past_deadline(c)
+    return True  # a delete of a parked conversation restores nothing: it only records the delete
+
+
+def _turn_conversation(
+    state: UserLedger, c: SubmitGeneration, out: _Emitter, generation_id: str, epoch: int
+) -> tuple[Conversation, int] | Decision:
+    """The checks a conversation turn passes before quota: the conversation is the caller's and
+    live, ``expected_revision`` is its committed revision, and no generation of it runs. A refusal
+    holds and stores nothing (a same-key retry is decided afresh)."""
+    held = _held_conversation(state, c.conversation_id, c.restore_revision, _restorable(c))
+    if held is None:
+        return out.reject(RejectionCode.NOT_FOUND, conversation_id=c.conversation_id)
+    conversation, _restored_from = held
+    if conversation.in_flight:
+        running = state.record_of(conversation.in_flight)
+        return out.reject(
+            RejectionCode.GENERATION_IN_PROGRESS,
+            generation_id=conversation.in_flight,
+            status=running.status if running is not None else None,
+            epoch=running.epoch if running is not None else 0,
+            conversation_id=c.conversation_id,
+            revision=conversation.revision,
+        )
+    if c.expected_revision != conversation.revision:
+        return out.reject(
+            RejectionCode.CONVERSATION_CONFLICT,
+            details=RejectionDetails(revision=conversation.revision),
+            conversation_id=c.conversation_id,
+            revision=conversation.revision,
+        )
+    if c.regenerate and conversation.revision < 2:
+        # Nothing to regenerate: no answer has committed yet.
+        return out.reject(RejectionCode.INVALID_REQUEST, details=RejectionDetails(field="regenerate"))
+    return held
+
+
+def _create_conversation(state: UserLedger, c: CreateConversation, policy: Policy, out: _Emitter) -> Decision:
+    cid = c.conversation_id
+    conversation = state.conversations.get(cid)
+    if conversation is not None:
+        return out.decision(OutcomeKind.EXISTING, conversation_id=cid, revision=conversation.revision)
+    if cid in state.conversation_tombstones:
+        return out.reject(RejectionCode.NOT_FOUND, conversation_id=cid)
+    if len(state.conversations) >= policy.conversations_hot_max:
+        refused = _park_for_room(state, c.issued_at_ms, policy, out)
+        if refused is not None:
+            return refused
+    out.emit(ev.ConversationCreated, "", conversation_id=cid)
+    return out.decision(OutcomeKind.APPLIED, conversation_id=cid, revision=0)
+
+
+def _parkable_since(conversation: Conversation) -> int | None:
+    """When this conversation became idle (no generation of it in flight), or None while one is."""
+    return None if conversation.in_flight else conversation.updated_at_ms
+
+
+def _park_for_room(state: UserLedger, now_ms: int, policy: Policy, out: _Emitter) -> Decision | None:
+    """The hot state is full: park the least recently changed idle conversation, or refuse."""
+    candidates = sorted(
+        (since, cid) for cid, conv in state.conversations.items() if (since := _parkable_since(conv)) is not None
+    )
+    if candidates and candidates[0][0] + policy.conversation_park_min_idle_ms <= now_ms:
+        _, cid = candidates[0]
+        out.emit(ev.ConversationParked, "", conversation_id=cid, revision=state.conversations[cid].revision)
+        return None
+    retry_after_ms = (
+        candidates[0][0] + policy.conversation_park_min_idle_ms - now_ms if candidates else CONCURRENCY_RETRY_AFTER_MS
+    )
+    return out.reject(
+        RejectionCode.RATE_LIMITED,
+        details=RejectionDetails(limit=policy.conversations_hot_max, retry_after_ms=max(1, retry_after_ms)),
+    )
+
+
+def _delete_conversation(state: UserLedger, c: DeleteConversation, policy: Policy, out: _Emitter) -> Decision:
+    cid = c.conversation_id
+    if cid in state.conversation_tombstones:
+        return out.decision(OutcomeKind.EXISTING, conversation_id=cid)
+    held = _held_conversation(state, cid, c.restore_revision, _restorable(c))
+    if held is None:
+        return out.reject(RejectionCode.NOT_FOUND, conversation_id=cid)
+    conversation, _restored_from = held
+    tombstones = state.conversation_tombstones
+    if len(tombstones) >= policy.conversation_tombstones_max:
+        # The oldest tombstone goes early once it is past the park minimum (no restore read before
+        # its delete can still be within its decision deadline); else the delete waits.
+        oldest_at, oldest = min((at, tid) for tid, at in tombstones.items())
+        if oldest_at + policy.conversation_park_min_idle_ms > c.issued_at_ms:
+            return out.reject(
+                RejectionCode.RATE_LIMITED,
+                details=RejectionDetails(
+                    limit=policy.conversation_tombstones_max,
+                    retry_after_ms=oldest_at + policy.conversation_park_min_idle_ms - c.issued_at_ms,
+                ),
+            )
+        out.emit(ev.ConversationForgotten, "", conversation_id=oldest)
+    if conversation.in_flight:
+        record = state.record_of(conversation.in_flight)
+        if record is not None and record.status.active:
+            _stop(state, record, CancelReason.USER, out)
+    out.emit(ev.ConversationDeleted, "", conversation_id=cid, revision=conversation.revision)
+    return out.decision(OutcomeKind.APPLIED, conversation_id=cid, revision=conversation.revision)
+
+
+def _commit_answer(state: UserLedger, c: CommitAnswer, out: _Emitter) -> Decision:
+    """The history writer stored the answer: commit it if its generation has ended, else note it."""
+    conversation = state.conversations.get(c.conversation_id)
+    if conversation is None or conversation.in_flight != c.generation_id:
+        # Committed already (a repeated commit), or the conversation was deleted meanwhile.
+        return out.decision(OutcomeKind.EXISTING, conversation_id=c.conversation_id)
+    record = state.record_of(c.generation_id)
+    if record is None or c.epoch != record.epoch:
+        return out.decision(OutcomeKind.EXISTING, conversation_id=c.conversation_id)
+    if conversation.answer_pending:
+        _commit(conversation, record, record.status, c.conversation_id, out, spooled=True)
+        return out.decision(OutcomeKind.APPLIED, record, conversation_id=c.conversation_id, revision=conversation.turn_revision + 1)
+    if not conversation.answer_stored:
+        out.emit(ev.ConversationAnswerStored, record.generation_id, conversation_id=c.conversation_id, epoch=c.epoch)
+    return out.decision(OutcomeKind.APPLIED, record, conversation_id=c.conversation_id, revision=conversation.revision)
+
+
+def _commit(
+    conversation: Conversation, record: RequestRecord, status: RequestStatus, conversation_id: str, out: _Emitter, spooled: bool
+) -> None:
+    out.emit(
+        ev.ConversationAnswerCommitted,
+        record.generation_id,
+        conversation_id=conversation_id,
+        revision=conversation.turn_revision + 1,
+        epoch=record.epoch,
+        status="completed" if status is RequestStatus.COMPLETED else "incomplete",
+        spooled=spooled,
+        replaces_seq=conversation.turn_revision if conversation.regenerate else 0,
+    )
+
+
+def _end_turn(state: UserLedger, record: RequestRecord, out: _Emitter, status: RequestStatus, spooled: bool) -> None:
+    """A conversation turn's generation ended (``status``, terminal or returned to admission).
+
+    With a spooled answer it commits once the history writer has stored it (at once if the writer
+    was first); without one (never started, fenced, or the worker could not spool) it commits now,
+    incomplete and empty. A turn returned to admission is not retried under the conversation: its
+    answer commits incomplete, so the conversation is not held for a retry that may never come."""
+    cid = record.conversation_id
+    conversation = state.conversations.get(cid) if cid else None
+    if conversation is None or conversation.in_flight != record.generation_id:
+        return
+    if spooled and not conversation.answer_stored:
+        out.emit(ev.ConversationAnswerPending, record.generation_id, conversation_id=cid, epoch=record.epoch)
+        return
+    _commit(conversation, record, status, cid, out, spooled=spooled)
 
 
 def _free_slot(state: UserLedger, policy: Policy) -> int | None:
@@ -486,8 +701,10 @@ def _stop(state: UserLedger, record: RequestRecord, reason: CancelReason, out: _
         # Not accepted, and acceptance can only commit here: fencing the epoch proves it never starts.
         _release_unstarted(state, record, out, FenceReason.CANCELLED_IN_QUEUE)
         out.emit(ev.GenerationCancelled, record.generation_id, epoch=record.epoch, reason=reason, partial=False)
+        _end_turn(state, record, out, RequestStatus.CANCELLED, spooled=False)
     elif status is RequestStatus.ADMISSION_RETRYABLE:
         out.emit(ev.GenerationCancelled, record.generation_id, epoch=record.epoch, reason=reason, partial=False)
+        _end_turn(state, record, out, RequestStatus.CANCELLED, spooled=False)
     elif status is RequestStatus.RUNNING:
         attempt = record.attempt
         assert attempt is not None and attempt.owner_worker_id is not None
@@ -603,6 +820,7 @@ def _report(state: UserLedger, c: ReportAttemptFinished, policy: Policy, out: _E
             code = c.error_code if c.error_code in _FAILURE_CODES else RejectionCode.MODEL_BACKEND_ERROR
             out.emit(ev.GenerationFailed, record.generation_id, epoch=c.epoch, code=code, partial=partial)
             status = RequestStatus.FAILED
+        _end_turn(state, record, out, status, spooled=c.answer_spooled)
         return out.decision(OutcomeKind.APPLIED, record, status=status)
     if record.status.terminal and record.epoch == c.epoch and c.epoch > record.fenced_epoch:
         # The finalization was committed before and its acknowledgement lost: a repeat is a no-op.
@@ -671,6 +889,7 @@ def _lapse(state: UserLedger, record: RequestRecord, out: _Emitter, reason: Fenc
     out.emit(
         ev.GenerationReturnedToAdmission, record.generation_id, epoch=record.epoch, code=RejectionCode.CAPACITY_EXHAUSTED
     )
+    _end_turn(state, record, out, RequestStatus.ADMISSION_RETRYABLE, spooled=False)
 
 
 def _expire_running(state: UserLedger, record: RequestRecord, out: _Emitter, reason: FenceReason) -> None:
@@ -685,9 +904,11 @@ def _expire_running(state: UserLedger, record: RequestRecord, out: _Emitter, rea
         out.emit(
             ev.GenerationCancelled, record.generation_id, epoch=record.epoch, reason=attempt.cancel_reason, partial=tokens > 0
         )
+        _end_turn(state, record, out, RequestStatus.CANCELLED, spooled=False)
         return
     code = RejectionCode.GENERATION_TIMEOUT if reason is FenceReason.RUN_DEADLINE else RejectionCode.MODEL_BACKEND_ERROR
     out.emit(ev.GenerationFailed, record.generation_id, epoch=record.epoch, code=code, partial=tokens > 0)
+    _end_turn(state, record, out, RequestStatus.FAILED, spooled=False)
 
 
 # --- deadlines ------------------------------------------------------------------------------
@@ -759,6 +980,13 @@ def _reconcile(state: UserLedger, c: ReconcileDue, policy: Policy, out: _Emitter
                 used=window.used,
                 released=window.released,
             )
+    for cid in sorted(state.conversations):
+        since = _parkable_since(state.conversations[cid])
+        if since is not None and since + policy.conversation_idle_park_ms <= now:
+            out.emit(ev.ConversationParked, "", conversation_id=cid, revision=state.conversations[cid].revision)
+    for cid in sorted(state.conversation_tombstones):
+        if state.conversation_tombstones[cid] + policy.conversation_tombstone_ms <= now:
+            out.emit(ev.ConversationForgotten, "", conversation_id=cid)
     kind = OutcomeKind.APPLIED if out.events else OutcomeKind.EXISTING
     return out.decision(kind)
 
@@ -790,6 +1018,12 @@ def next_deadline_ms(state: UserLedger, policy: Policy) -> int | None:
     for window in state.windows.values():
         if window.reserved == 0:
             consider(window.window_end_ms)
+    for conversation in state.conversations.values():
+        since = _parkable_since(conversation)
+        if since is not None:
+            consider(since + policy.conversation_idle_park_ms)
+    for deleted_at in state.conversation_tombstones.values():
+        consider(deleted_at + policy.conversation_tombstone_ms)
     return best
 
 
@@ -798,6 +1032,7 @@ __all__ = [
     "attached_reader",
     "attached_readers",
     "Decision",
+    "conversation_id_for",
     "decide",
     "generation_id_for",
     "next_deadline_ms",

@@ -12,6 +12,7 @@ from typing import Any
 
 from control_plane.state import (
     Attempt,
+    Conversation,
     QuotaWindow,
     RequestRecord,
     Reservation,
@@ -270,6 +271,85 @@ def _window_retired(state: UserLedger, e: ev.QuotaWindowRetired) -> UserLedger:
     return with_changes(state, windows=windows, reservations=reservations, open_windows_from_ms=open_from)
 
 
+# --- conversations ---------------------------------------------------------------------------
+
+
+def _put_conversation(state: UserLedger, conversation_id: str, conversation: Conversation | None, at_ms: int) -> UserLedger:
+    conversations = dict(state.conversations)
+    if conversation is None:
+        conversations.pop(conversation_id, None)
+    else:
+        conversations[conversation_id] = conversation
+    return with_changes(state, conversations=conversations, last_event_ms=max(state.last_event_ms, at_ms))
+
+
+def _change_conversation(state: UserLedger, e: Any, **changes: Any) -> UserLedger:
+    conversation = state.conversations.get(e.conversation_id)
+    if conversation is None:
+        return state  # a fact about a conversation this state does not hold (a damaged ledger)
+    changes.setdefault("updated_at_ms", e.occurred_at_ms)
+    return _put_conversation(state, e.conversation_id, with_changes(conversation, **changes), e.occurred_at_ms)
+
+
+def _conversation_created(state: UserLedger, e: ev.ConversationCreated) -> UserLedger:
+    return _put_conversation(state, e.conversation_id, Conversation(revision=0, updated_at_ms=e.occurred_at_ms), e.occurred_at_ms)
+
+
+def _turn_committed(state: UserLedger, e: ev.ConversationTurnCommitted) -> UserLedger:
+    state = _change_conversation(
+        state,
+        e,
+        revision=e.revision,
+        in_flight=e.generation_id,
+        turn_revision=e.revision,
+        regenerate=e.regenerate,
+        answer_pending=False,
+        answer_stored=False,
+    )
+    record = state.record_of(e.generation_id)
+    if record is not None and record.conversation_id != e.conversation_id:
+        state = _put_request(state, with_changes(record, conversation_id=e.conversation_id), e.occurred_at_ms)
+    return state
+
+
+def _answer_pending(state: UserLedger, e: ev.ConversationAnswerPending) -> UserLedger:
+    return _change_conversation(state, e, answer_pending=True)
+
+
+def _answer_stored(state: UserLedger, e: ev.ConversationAnswerStored) -> UserLedger:
+    return _change_conversation(state, e, answer_stored=True)
+
+
+def _answer_committed(state: UserLedger, e: ev.ConversationAnswerCommitted) -> UserLedger:
+    return _change_conversation(
+        state, e, revision=e.revision, in_flight="", turn_revision=0, regenerate=False, answer_pending=False, answer_stored=False
+    )
+
+
+def _conversation_deleted(state: UserLedger, e: ev.ConversationDeleted) -> UserLedger:
+    state = _put_conversation(state, e.conversation_id, None, e.occurred_at_ms)
+    tombstones = dict(state.conversation_tombstones)
+    # When it was deleted: decide forgets it ``Policy.conversation_tombstone_ms`` later.
+    tombstones[e.conversation_id] = e.occurred_at_ms
+    return with_changes(state, conversation_tombstones=tombstones)
+
+
+def _conversation_parked(state: UserLedger, e: ev.ConversationParked) -> UserLedger:
+    return _put_conversation(state, e.conversation_id, None, e.occurred_at_ms)
+
+
+def _conversation_restored(state: UserLedger, e: ev.ConversationRestored) -> UserLedger:
+    return _put_conversation(state, e.conversation_id, Conversation(revision=e.revision, updated_at_ms=e.occurred_at_ms), e.occurred_at_ms)
+
+
+def _conversation_forgotten(state: UserLedger, e: ev.ConversationForgotten) -> UserLedger:
+    if e.conversation_id not in state.conversation_tombstones:
+        return state
+    tombstones = dict(state.conversation_tombstones)
+    del tombstones[e.conversation_id]
+    return with_changes(state, conversation_tombstones=tombstones)
+
+
 _APPLY: dict[type, Callable[[UserLedger, Any], UserLedger]] = {
     ev.GenerationAdmitted: _admitted,
     ev.AdmissionRejected: _rejected,
@@ -291,5 +371,14 @@ _APPLY: dict[type, Callable[[UserLedger, Any], UserLedger]] = {
     ev.LateReportIgnored: _ignored,
     ev.DedupRecordPurged: _purged,
     ev.QuotaWindowRetired: _window_retired,
+    ev.ConversationCreated: _conversation_created,
+    ev.ConversationTurnCommitted: _turn_committed,
+    ev.ConversationAnswerPending: _answer_pending,
+    ev.ConversationAnswerStored: _answer_stored,
+    ev.ConversationAnswerCommitted: _answer_committed,
+    ev.ConversationDeleted: _conversation_deleted,
+    ev.ConversationParked: _conversation_parked,
+    ev.ConversationRestored: _conversation_restored,
+    ev.ConversationForgotten: _conversation_forgotten,
 }
 assert set(_APPLY) == set(ev.EVENT_TYPES), "every event type needs a mutator"

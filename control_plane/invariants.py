@@ -88,6 +88,31 @@ class _History:
 
 
 @dataclass
+class _ConversationHistory:
+    """What the monitor remembers of one conversation (invariant 10)."""
+
+    revision: int = 0
+    deleted: bool = False
+    in_flight: str = ""
+    turn_revision: int = 0
+    turns: set[str] = field(default_factory=set)  # generations that committed a turn here
+    answered: set[str] = field(default_factory=set)  # generations whose answer committed here
+
+
+_CONVERSATION_EVENTS = (
+    ev.ConversationCreated,
+    ev.ConversationTurnCommitted,
+    ev.ConversationAnswerPending,
+    ev.ConversationAnswerStored,
+    ev.ConversationAnswerCommitted,
+    ev.ConversationDeleted,
+    ev.ConversationParked,
+    ev.ConversationRestored,
+    ev.ConversationForgotten,
+)
+
+
+@dataclass
 class InvariantMonitor:
     concurrency_limit: int | None = None
     # The policy's dedup retention and records bound; with them the monitor also checks that no
@@ -106,6 +131,8 @@ class InvariantMonitor:
     _window_spent: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     events_seen: int = 0
     duplicates_skipped: int = 0
+    # (user, conversation) -> its history so far (invariant 10).
+    _conversations: dict[tuple[str, str], _ConversationHistory] = field(default_factory=dict)
 
     def observe_batch(self, events: list[ev.Event] | tuple[ev.Event, ...]) -> list[Violation]:
         """Observe the events of one command (one atomic change), then check the states they touched.
@@ -187,6 +214,62 @@ class InvariantMonitor:
                     early = until - e.occurred_at_ms
                     bad(7, f"key {e.idempotency_key} of {held.generation_id} forgotten {early} ms within its retention")
 
+    def _check_conversation(self, e: ev.Event, bad: Callable[[int, str], None]) -> None:
+        """Invariant 10: a conversation's revisions are contiguous; each turn and each answer commits
+        once; at most one generation of it is in flight; nothing is appended to a deleted one."""
+        key = (e.user_id, e.conversation_id)  # type: ignore[attr-defined]
+        conv = self._conversations.get(key)
+        name = e.conversation_id  # type: ignore[attr-defined]
+        match e:
+            case ev.ConversationCreated():
+                if conv is not None and not conv.deleted:
+                    bad(10, f"conversation {name} created twice")
+                self._conversations[key] = _ConversationHistory()
+            case ev.ConversationRestored():
+                if conv is None:
+                    # Parked before this history began (an audit of a retained suffix): take its word.
+                    self._conversations[key] = _ConversationHistory(revision=e.revision)
+                elif conv.deleted:
+                    bad(10, f"deleted conversation {name} restored")
+                elif e.revision != conv.revision:
+                    bad(10, f"conversation {name} restored at {e.revision}, parked at {conv.revision}")
+            case ev.ConversationTurnCommitted():
+                if conv is None:
+                    bad(10, f"turn {e.generation_id} committed to unknown conversation {name}")
+                    return
+                if conv.deleted:
+                    bad(10, f"turn {e.generation_id} appended to deleted conversation {name}")
+                if conv.in_flight:
+                    bad(10, f"turn {e.generation_id} committed while {conv.in_flight} is in flight in {name}")
+                if e.generation_id in conv.turns:
+                    bad(10, f"turn {e.generation_id} committed twice in {name}")
+                expected = conv.revision if e.regenerate else conv.revision + 1
+                if e.revision != expected:
+                    bad(10, f"turn {e.generation_id} in {name} at revision {e.revision}, expected {expected}")
+                conv.turns.add(e.generation_id)
+                conv.in_flight, conv.turn_revision, conv.revision = e.generation_id, e.revision, e.revision
+            case ev.ConversationAnswerCommitted():
+                if conv is None:
+                    bad(10, f"answer {e.generation_id} committed to unknown conversation {name}")
+                    return
+                if conv.deleted:
+                    bad(10, f"answer {e.generation_id} appended to deleted conversation {name}")
+                if conv.in_flight != e.generation_id:
+                    bad(10, f"answer {e.generation_id} committed in {name}, whose turn in flight is {conv.in_flight!r}")
+                if e.generation_id in conv.answered:
+                    bad(10, f"answer {e.generation_id} committed twice in {name}")
+                if e.revision != conv.revision + 1:
+                    bad(10, f"answer {e.generation_id} in {name} at revision {e.revision} after {conv.revision}")
+                conv.answered.add(e.generation_id)
+                conv.in_flight, conv.revision = "", e.revision
+            case ev.ConversationDeleted():
+                if conv is not None:
+                    conv.deleted, conv.in_flight = True, ""
+                else:
+                    self._conversations[key] = _ConversationHistory(revision=e.revision, deleted=True)
+            case _:
+                pass
+
     def _check_history(self, e: ev.Event) -> list[Violation]:
         found: list[Violation] = []
 
@@ -194,6 +277,9 @@ class InvariantMonitor:
             found.append(Violation(invariant, message, e.user_id, e.event_id))
 
         self._check_key(e, bad)
+        if isinstance(e, _CONVERSATION_EVENTS):
+            self._check_conversation(e, bad)
+            return found
         history = self._history.get(e.generation_id)
         if isinstance(e, ev.GenerationAdmitted):
             spent = self._window_spent.setdefault((e.user_id, e.window_start_ms), [e.window_limit, 0, 0])

@@ -44,6 +44,18 @@ class Policy:
     # processor's memory (docs/retention.md, "The bound on request records").
     dedup_records_per_user_max: int = 8_192
     max_output_tokens_max: int = 4_096
+    # Conversations in a user's hot state (docs/conversations.md, "Bounded ledger state"). Beyond
+    # this, creating one parks the least recently used idle conversation (no generation running,
+    # idle at least ``conversation_park_min_idle_ms``), or is refused rate_limited if none is.
+    conversations_hot_max: int = 64
+    conversation_idle_park_ms: int = 1 * HOUR_MS  # the timer parks a conversation idle this long
+    # A conversation is never parked sooner after its last change: far longer than any command's
+    # decision deadline, so a restore read from a stored row cannot race a park after a restore.
+    conversation_park_min_idle_ms: int = 10 * 60 * 1000
+    # Deleted conversations' tombstones: kept this long (a restore read before the delete is refused),
+    # at most this many (beyond, the oldest past the park minimum goes early).
+    conversation_tombstone_ms: int = 1 * HOUR_MS
+    conversation_tombstones_max: int = 256
     # The model catalog's core view (alias -> version, pool, tiers). Empty here: the processes fill it
     # from the one catalog file (projections.shared.catalog), tests and the simulator from their own.
     models: dict[str, ModelEntry] = field(default_factory=dict)

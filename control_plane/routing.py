@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from control_plane.decide import Decision
-from control_plane.state import UserLedger
+from control_plane.state import RequestRecord, UserLedger, usage_key
 from schemas import events as ev
 from schemas import topics
 from schemas.codes import CancelReason, RequestStatus
@@ -65,6 +65,7 @@ def route(
     if command.reply_to is not None:
         out.append(Outbound(command.reply_to.topic, command.reply_to.partition, None, encode(decision.outcome)))
     usage = {e.generation_id: e for e in decision.events if isinstance(e, ev.UsageRecorded)}
+    turns = {e.generation_id: e.conversation_id for e in decision.events if isinstance(e, ev.ConversationTurnCommitted)}
     stopped: set[str] = set()
     for e in decision.events:
         if isinstance(e, ev.GenerationAdmitted):
@@ -80,6 +81,7 @@ def route(
                 authorized_at_ms=e.occurred_at_ms,
                 queue_deadline_ms=e.queue_deadline_ms,
                 stream_to=e.reply_to,
+                conversation_id=turns.get(e.generation_id, ""),
             )
             out.append(Outbound(topology.dispatch(e.pool, e.tier).name, None, e.generation_id.encode(), encode(dispatch)))
         elif isinstance(e, ev.CancelRequested):
@@ -93,7 +95,7 @@ def route(
                 stopped.add(e.generation_id)
         elif type(e) in _TERMINAL_STATUS:
             record = before.record_of(e.generation_id)
-            if record is not None and record.reply_to is not None:
+            if record is not None and record.reply_to is not None and not _answer_commit_follows(before, record):
                 used = usage.get(e.generation_id)
                 finalized = GenerationFinalized(
                     event_id=e.event_id,
@@ -105,6 +107,24 @@ def route(
                     partial=getattr(e, "partial", False),
                     input_tokens=used.input_tokens if used else record.input_tokens,
                     output_tokens=used.output_tokens if used else 0,
+                )
+                out.append(Outbound(record.reply_to.topic, record.reply_to.partition, None, encode(finalized)))
+        elif isinstance(e, ev.ConversationAnswerCommitted):
+            # A conversation turn is announced ended only now: its answer is stored and committed.
+            record = after.record_of(e.generation_id)
+            if record is not None and record.reply_to is not None:
+                used = usage.get(e.generation_id)
+                output_tokens = used.output_tokens if used else _usage_of(after, record)
+                finalized = GenerationFinalized(
+                    event_id=e.event_id,
+                    user_id=e.user_id,
+                    generation_id=e.generation_id,
+                    epoch=e.epoch,
+                    status=record.status,
+                    code=record.code,
+                    partial=output_tokens > 0 and record.status is not RequestStatus.COMPLETED,
+                    input_tokens=used.input_tokens if used else record.input_tokens,
+                    output_tokens=output_tokens,
                 )
                 out.append(Outbound(record.reply_to.topic, record.reply_to.partition, None, encode(finalized)))
         elif isinstance(e, ev.UsageRecorded):
@@ -125,6 +145,20 @@ def route(
                 )
             )
     return out
+
+
+def _answer_commit_follows(before: UserLedger, record: RequestRecord) -> bool:
+    """Whether this generation answers a turn whose answer is still to commit: its end is then
+    announced with ``ConversationAnswerCommitted`` (in this decision or a later one), never before."""
+    if not record.conversation_id:
+        return False
+    conversation = before.conversations.get(record.conversation_id)
+    return conversation is not None and conversation.in_flight == record.generation_id
+
+
+def _usage_of(state: UserLedger, record: RequestRecord) -> int:
+    entry = state.usage.get(usage_key(record.generation_id, record.epoch))
+    return entry.output_tokens if entry is not None else 0
 
 
 def _stop(

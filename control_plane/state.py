@@ -71,6 +71,7 @@ class RequestRecord:
     reader_id: str = ""
     detached_until_ms: int = 0
     detach_reason: CancelReason | None = None
+    conversation_id: str = ""  # the conversation this generation answers a turn of ("" = stateless)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,24 @@ class UsageEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class Conversation:
+    """What decisions need of one conversation (docs/conversations.md): never its text or title.
+
+    ``in_flight`` is the generation of the turn being answered ("" = none); the answer commits at
+    ``turn_revision + 1``. ``answer_pending``: the generation ended with a spooled answer not yet
+    stored; ``answer_stored``: the writer stored it before the end reached the ledger.
+    """
+
+    revision: int
+    updated_at_ms: int
+    in_flight: str = ""
+    turn_revision: int = 0
+    regenerate: bool = False
+    answer_pending: bool = False
+    answer_stored: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class UserLedger:
     user_id: str
     requests: dict[str, RequestRecord] = field(default_factory=dict)
@@ -116,6 +135,10 @@ class UserLedger:
     # Admission never charges a window that starts before this: every earlier window was retired
     # (its counters dropped), so a late command stamped inside one is charged to a later window.
     open_windows_from_ms: int = 0
+    # Conversations in the hot state (bounded by ``Policy.conversations_hot_max``; idle ones are parked
+    # out of it) and deleted ones' tombstones (conversation id -> when it was deleted).
+    conversations: dict[str, Conversation] = field(default_factory=dict)
+    conversation_tombstones: dict[str, int] = field(default_factory=dict)
 
     def record_of(self, generation_id: str) -> RequestRecord | None:
         key = self.by_generation.get(generation_id)

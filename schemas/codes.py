@@ -117,6 +117,7 @@ class ClientAction(StrEnum):
     RETRY_SAME_KEY_WITH_BACKOFF = "retry_same_key_with_backoff"
     RETRY_LATER_NO_STORM = "retry_later_no_storm"
     MANUAL_REGENERATE = "manual_regenerate"
+    RELOAD_CONVERSATION = "reload_conversation"
     NONE = "none"
 
 
@@ -137,6 +138,10 @@ class RejectionCode(StrEnum):
     QUOTA_SERVICE_UNAVAILABLE = "quota_service_unavailable"
     MODEL_BACKEND_ERROR = "model_backend_error"
     GENERATION_TIMEOUT = "generation_timeout"
+    # Conversations (docs/conversations.md): a turn sent against a revision that is no longer the
+    # committed one, and the history store (Cassandra) unreachable for a conversation read or turn.
+    CONVERSATION_CONFLICT = "conversation_conflict"
+    HISTORY_UNAVAILABLE = "history_unavailable"
     # Not in the client table: answers to workers and to look-ups of unknown ids.
     NOT_FOUND = "not_found"
     STALE_ATTEMPT = "stale_attempt"
@@ -176,6 +181,8 @@ REJECTIONS: dict[RejectionCode, RejectionSpec] = {
         _spec(_C.QUOTA_SERVICE_UNAVAILABLE, 503, True, _A.RETRY_LATER_NO_STORM, "Admission is temporarily unavailable."),
         _spec(_C.MODEL_BACKEND_ERROR, 502, False, _A.MANUAL_REGENERATE, "The model backend failed; inspect the generation."),
         _spec(_C.GENERATION_TIMEOUT, 504, False, _A.MANUAL_REGENERATE, "The generation ran past its deadline; inspect the generation."),
+        _spec(_C.CONVERSATION_CONFLICT, 409, False, _A.RELOAD_CONVERSATION, "The conversation changed since the revision you sent; reload it and send again."),
+        _spec(_C.HISTORY_UNAVAILABLE, 503, True, _A.RETRY_AFTER_DELAY, "Conversation history is temporarily unavailable; stateless requests still work."),
         _spec(_C.NOT_FOUND, 404, False, _A.NONE, "No such generation."),
         _spec(_C.STALE_ATTEMPT, 409, False, _A.NONE, "The attempt is fenced, stale or owned elsewhere."),
     )

@@ -22,6 +22,7 @@ IdempotencyKey = Annotated[str, Field(min_length=1, max_length=255)]
 Millis = Annotated[int, Field(ge=0, le=2**53)]
 Count = Annotated[int, Field(ge=0, le=10_000_000)]
 Epoch = Annotated[int, Field(ge=1, le=1_000_000)]
+ConversationId = Annotated[str, Field(min_length=0, max_length=64)]
 # The reader of a generation: the edge process (its ``edge_id``, new at each start) holding the
 # client's connection; "" = none named (workers, tests, commands written before readers existed).
 ReaderId = Annotated[str, Field(min_length=0, max_length=64)]
@@ -70,6 +71,61 @@ class SubmitGeneration:
     # The edge process that holds the client's connection (its liveness lease is watched by the
     # processor: a generation whose reader's edge died is detached, then cancelled; DetachReader).
     reader_id: ReaderId = ""
+    # A conversation turn (docs/conversations.md); "" = a stateless request. The turn is admitted only
+    # if ``expected_revision`` is the conversation's committed revision and no other generation of it
+    # runs; its user message then commits at ``expected_revision + 1`` in the same decision. With
+    # ``regenerate`` no user message is appended: a new answer to the last user turn.
+    conversation_id: ConversationId = ""
+    expected_revision: Count = 0
+    regenerate: bool = False
+    # The revision the issuer read from a parked conversation's stored row (-1: none). The processor
+    # restores a conversation it parked from this only if the command is not late (``decide_by_ms``).
+    restore_revision: Annotated[int, Field(ge=-1, le=10_000_000)] = -1
+    reply_to: ReplyTo | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreateConversation:
+    """Create a conversation at revision 0 (its id derived from the user and the Idempotency-Key, so a
+    same-key retry names the same conversation). No title or text: those live in Cassandra."""
+
+    type: Literal["CreateConversation"] = "CreateConversation"
+    schema_version: int = COMMAND_SCHEMA_VERSION
+    command_id: Id
+    user_id: Id
+    issued_at_ms: Millis
+    conversation_id: ConversationId
+    reply_to: ReplyTo | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeleteConversation:
+    """Delete a conversation (idempotent); a generation of it still running is cancelled."""
+
+    type: Literal["DeleteConversation"] = "DeleteConversation"
+    schema_version: int = COMMAND_SCHEMA_VERSION
+    command_id: Id
+    user_id: Id
+    issued_at_ms: Millis
+    conversation_id: ConversationId
+    # The revision the issuer read from a parked conversation's stored row (-1: none); see SubmitGeneration.
+    restore_revision: Annotated[int, Field(ge=-1, le=10_000_000)] = -1
+    reply_to: ReplyTo | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommitAnswer:
+    """The history writer stored a turn's user message and answer (from the worker's spool) in
+    Cassandra: the answer may now commit. Issued after the writes, so a commit never precedes them."""
+
+    type: Literal["CommitAnswer"] = "CommitAnswer"
+    schema_version: int = COMMAND_SCHEMA_VERSION
+    command_id: Id
+    user_id: Id
+    issued_at_ms: Millis
+    conversation_id: ConversationId
+    generation_id: Id
+    epoch: Epoch
     reply_to: ReplyTo | None = None
 
 
@@ -188,6 +244,9 @@ class ReportAttemptFinished:
     output_tokens: Count
     finish_reason: FinishReason = FinishReason.NONE
     error_code: RejectionCode | None = None
+    # A conversation turn's worker spooled the answer (AnswerSpooled) before this report: the answer
+    # commits once the history writer has stored it (CommitAnswer). False: nothing to wait for.
+    answer_spooled: bool = False
     reply_to: ReplyTo | None = None
 
 
@@ -231,6 +290,9 @@ Command = (
     | ReportAttemptFinished
     | ReconcileDue
     | QueryUsage
+    | CreateConversation
+    | DeleteConversation
+    | CommitAnswer
 )
 COMMAND_TYPES: tuple[type, ...] = (
     SubmitGeneration,
@@ -243,4 +305,7 @@ COMMAND_TYPES: tuple[type, ...] = (
     ReportAttemptFinished,
     ReconcileDue,
     QueryUsage,
+    CreateConversation,
+    DeleteConversation,
+    CommitAnswer,
 )

@@ -265,6 +265,106 @@ class QuotaWindowRetired(_EventBase):
     released: int
 
 
+# --- conversations (docs/conversations.md) ----------------------------------------------------
+# The ledger holds a conversation's existence, committed revision, in-flight generation and
+# deletion; never a title or a message's text. ``generation_id`` is "" for events about the
+# conversation alone (created, parked, restored, deleted).
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConversationCreated(_EventBase):
+    """A conversation exists, at revision 0."""
+
+    type: Literal["ConversationCreated"] = "ConversationCreated"
+    conversation_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConversationTurnCommitted(_EventBase):
+    """A turn was admitted with ``generation_id`` (in the same decision as its ``GenerationAdmitted``).
+
+    A user turn appends the user message at ``revision`` (the expected revision + 1); a regeneration
+    appends nothing (``revision`` is the committed one, its answer being replaced)."""
+
+    type: Literal["ConversationTurnCommitted"] = "ConversationTurnCommitted"
+    conversation_id: str
+    revision: int
+    regenerate: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConversationAnswerPending(_EventBase):
+    """The turn's generation ended and its worker spooled the answer: it commits once stored."""
+
+    type: Literal["ConversationAnswerPending"] = "ConversationAnswerPending"
+    conversation_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConversationAnswerStored(_EventBase):
+    """The history writer stored the answer before the generation's end reached the ledger."""
+
+    type: Literal["ConversationAnswerStored"] = "ConversationAnswerStored"
+    conversation_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConversationAnswerCommitted(_EventBase):
+    """The answer of the turn ``generation_id`` committed at ``revision`` (its turn's revision + 1).
+
+    ``status`` is "completed" or "incomplete" (cancelled, failed, or never started; never appended
+    to later). ``spooled``: its text was stored from the worker's spool before this commit; False:
+    no worker spooled one (the answer is empty, or whatever a fenced worker spools later).
+    ``replaces_seq``: a regeneration's answer replaces the answer at that seq in the active branch
+    (0: none)."""
+
+    type: Literal["ConversationAnswerCommitted"] = "ConversationAnswerCommitted"
+    conversation_id: str
+    revision: int
+    epoch: int
+    status: str
+    spooled: bool
+    replaces_seq: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConversationDeleted(_EventBase):
+    """The conversation is deleted at ``revision``; nothing is appended to it afterwards."""
+
+    type: Literal["ConversationDeleted"] = "ConversationDeleted"
+    conversation_id: str
+    revision: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConversationParked(_EventBase):
+    """An idle conversation left the hot state at ``revision``: its stored row carries that revision,
+    and a later turn restores it from there (``ConversationRestored``)."""
+
+    type: Literal["ConversationParked"] = "ConversationParked"
+    conversation_id: str
+    revision: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConversationRestored(_EventBase):
+    """A parked conversation is back in the hot state at ``revision``."""
+
+    type: Literal["ConversationRestored"] = "ConversationRestored"
+    conversation_id: str
+    revision: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConversationForgotten(_EventBase):
+    """A deleted conversation's tombstone passed its retention and left the state."""
+
+    type: Literal["ConversationForgotten"] = "ConversationForgotten"
+    conversation_id: str
+
+
 Event = (
     GenerationAdmitted
     | AdmissionRejected
@@ -286,6 +386,15 @@ Event = (
     | LateReportIgnored
     | DedupRecordPurged
     | QuotaWindowRetired
+    | ConversationCreated
+    | ConversationTurnCommitted
+    | ConversationAnswerPending
+    | ConversationAnswerStored
+    | ConversationAnswerCommitted
+    | ConversationDeleted
+    | ConversationParked
+    | ConversationRestored
+    | ConversationForgotten
 )
 EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
 TERMINAL_EVENT_TYPES = (GenerationCompleted, GenerationCancelled, GenerationFailed)

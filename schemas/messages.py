@@ -50,6 +50,7 @@ class RejectionDetails:
     reset_at_ms: int | None = None
     retry_after_ms: int | None = None
     field: str | None = None
+    revision: int | None = None  # conversation_conflict: the conversation's committed revision
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,6 +83,10 @@ class Outcome:
     # Set when a completed generation's result is still retained (the edge then reads the store).
     result_expires_at_ms: int | None = None
     usage: UsageSnapshot | None = None  # the answer to a QueryUsage
+    # Conversations: the conversation a decision is about and its revision (for an admitted turn, the
+    # revision its user message committed at; for a create or delete, the committed revision).
+    conversation_id: str | None = None
+    revision: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,6 +104,9 @@ class DispatchAuthorized:
     authorized_at_ms: int
     queue_deadline_ms: int
     stream_to: ReplyTo | None
+    # A conversation turn (docs/conversations.md): the worker spools the answer (``AnswerSpooled``)
+    # before it reports the end, and the history writer persists it. "" = a stateless request.
+    conversation_id: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -215,6 +223,28 @@ class PromptPublished:
     messages: tuple[ChatMessage, ...] = ()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnswerSpooled:
+    """A conversation turn's answer, spooled by its worker on the answers topic (key ``user_id``)
+    before the worker reports the attempt's end: the recoverable copy the history writer persists
+    to Cassandra before the ledger commits the answer (``CommitAnswer``). Content lives here and in
+    Cassandra only, never on the commands or ledger topics."""
+
+    type: Literal["AnswerSpooled"] = "AnswerSpooled"
+    schema_version: int = MESSAGE_SCHEMA_VERSION
+    user_id: str
+    conversation_id: str
+    generation_id: str
+    epoch: int
+    worker_id: str
+    text: str
+    # The worker's view of how the attempt ended; the ledger's own verdict (ConversationAnswerCommitted)
+    # is what reads show once committed.
+    completed: bool
+    output_tokens: int
+    spooled_at_ms: int
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     Outcome,
     DispatchAuthorized,
@@ -226,4 +256,5 @@ MESSAGE_TYPES: tuple[type, ...] = (
     PromptRequest,
     PromptPayload,
     PromptPublished,
+    AnswerSpooled,
 )

@@ -131,6 +131,22 @@ class Ledger:
             )
         )
 
+    def create_conversation(self, conversation_id: str = "conv_a") -> Decision:
+        return self.run(cmd.CreateConversation(**self._base(conversation_id=conversation_id, reply_to=REPLY)))
+
+    def delete_conversation(self, conversation_id: str = "conv_a", **over: Any) -> Decision:
+        return self.run(cmd.DeleteConversation(**self._base(conversation_id=conversation_id, reply_to=REPLY, **over)))
+
+    def turn(self, key: str, expected_revision: int, conversation_id: str = "conv_a", **over: Any) -> Decision:
+        fields = dict(conversation_id=conversation_id, expected_revision=expected_revision, decide_by_ms=self.now_ms + 5_000)
+        fields.update(over)
+        return self.submit(key, fingerprint=f"fp-{key}-{expected_revision}", **fields)
+
+    def commit_answer(self, generation_id: str, conversation_id: str = "conv_a", epoch: int = 1) -> Decision:
+        return self.run(
+            cmd.CommitAnswer(**self._base(conversation_id=conversation_id, generation_id=generation_id, epoch=epoch))
+        )
+
     def reconcile(self) -> Decision:
         return self.run(cmd.ReconcileDue(**self._base(as_of_ms=self.now_ms)))
 
