@@ -390,12 +390,22 @@ def _turn_conversation(
     state: UserLedger, c: SubmitGeneration, out: _Emitter, generation_id: str, epoch: int
 ) -> tuple[Conversation, int] | Decision:
     """The checks a conversation turn passes before quota: the conversation is the caller's and
-    live, ``expected_revision`` is its committed revision, and no generation of it runs. A refusal
+    live, ``expected_revision`` is its committed revision, and no generation of it runs (a turn
+    sent at the revision its running answer will follow, or a regeneration racing one). A refusal
     holds and stores nothing (a same-key retry is decided afresh)."""
     held = _held_conversation(state, c.conversation_id, c.restore_revision, _restorable(c))
     if held is None:
         return out.reject(RejectionCode.NOT_FOUND, conversation_id=c.conversation_id)
     conversation, _restored_from = held
+    # A stale revision first: a turn racing one that was admitted is a conflict (the winner's user
+    # message moved the revision), whatever that winner is doing now.
+    if c.expected_revision != conversation.revision:
+        return out.reject(
+            RejectionCode.CONVERSATION_CONFLICT,
+            details=RejectionDetails(revision=conversation.revision),
+            conversation_id=c.conversation_id,
+            revision=conversation.revision,
+        )
     if conversation.in_flight:
         running = state.record_of(conversation.in_flight)
         return out.reject(
@@ -403,13 +413,6 @@ def _turn_conversation(
             generation_id=conversation.in_flight,
             status=running.status if running is not None else None,
             epoch=running.epoch if running is not None else 0,
-            conversation_id=c.conversation_id,
-            revision=conversation.revision,
-        )
-    if c.expected_revision != conversation.revision:
-        return out.reject(
-            RejectionCode.CONVERSATION_CONFLICT,
-            details=RejectionDetails(revision=conversation.revision),
             conversation_id=c.conversation_id,
             revision=conversation.revision,
         )

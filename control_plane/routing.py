@@ -65,7 +65,7 @@ def route(
     if command.reply_to is not None:
         out.append(Outbound(command.reply_to.topic, command.reply_to.partition, None, encode(decision.outcome)))
     usage = {e.generation_id: e for e in decision.events if isinstance(e, ev.UsageRecorded)}
-    turns = {e.generation_id: e.conversation_id for e in decision.events if isinstance(e, ev.ConversationTurnCommitted)}
+    turns = {e.generation_id: e for e in decision.events if isinstance(e, ev.ConversationTurnCommitted)}
     stopped: set[str] = set()
     for e in decision.events:
         if isinstance(e, ev.GenerationAdmitted):
@@ -81,7 +81,7 @@ def route(
                 authorized_at_ms=e.occurred_at_ms,
                 queue_deadline_ms=e.queue_deadline_ms,
                 stream_to=e.reply_to,
-                conversation_id=turns.get(e.generation_id, ""),
+                **_turn_fields(turns.get(e.generation_id)),
             )
             out.append(Outbound(topology.dispatch(e.pool, e.tier).name, None, e.generation_id.encode(), encode(dispatch)))
         elif isinstance(e, ev.CancelRequested):
@@ -145,6 +145,12 @@ def route(
                 )
             )
     return out
+
+
+def _turn_fields(turn: ev.ConversationTurnCommitted | None) -> dict[str, object]:
+    if turn is None:
+        return {}
+    return {"conversation_id": turn.conversation_id, "turn_revision": turn.revision, "regenerate": turn.regenerate}
 
 
 def _answer_commit_follows(before: UserLedger, record: RequestRecord) -> bool:

@@ -35,8 +35,9 @@ from edge.capacity import CapacityReader, CapacityView
 from edge.deps import new_request_id
 from edge.metrics import EdgeMetrics
 from edge.ratelimit import TokenBuckets
+from edge.history import History
 from edge.readmodel import ReadModel
-from edge.routes import generations, openai, usage
+from edge.routes import conversations, generations, openai, usage
 from edge.settings import EdgeSettings
 from edge.shedding import LoadShedder
 from edge.streams import GenerationView, StreamHub
@@ -89,6 +90,8 @@ class Edge:
         self._capacity_reader: CapacityReader | None = None
         self._producer: AIOKafkaProducer | None = None
         self.reader: ReadModel | None = ReadModel() if settings.read_model else None
+        # Conversation history (edge/history.py): opened on first use; stateless requests never use it.
+        self.history = History()
         # Refuses submits at once while their decision would come late (edge.shedding).
         self.shedder = LoadShedder(
             settings.shed_decision_age_ms, settings.shed_loop_lag_ms, client=lambda: self.client,
@@ -147,6 +150,7 @@ class Edge:
             await self.client.stop()
         if self.reader is not None:
             await self.reader.close()
+        await self.history.close()
 
     async def lookup(self, generation_id: str, user_id: str) -> GenerationView | None:
         """The generation if ``user_id`` owns it: this edge's memory first, then the read model."""
@@ -240,6 +244,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
     app.include_router(generations.router)
     app.include_router(openai.router)
     app.include_router(usage.router)
+    app.include_router(conversations.router)
     app.add_exception_handler(errors.ApiError, errors.api_error_handler)
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)

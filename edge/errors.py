@@ -70,6 +70,8 @@ def details_json(details: RejectionDetails, field: str | None = None) -> dict[st
         out["reset_at"] = iso_utc(details.reset_at_ms)
     if details.retry_after_ms is not None:
         out["retry_after_ms"] = details.retry_after_ms
+    if details.revision is not None:
+        out["revision"] = details.revision
     if field is not None:
         out["field"] = field
     return out

@@ -4,7 +4,7 @@ One event is ``event: <name>\\ndata: <one JSON line>\\n\\n`` in UTF-8; a heartbe
 ``: keep-alive\\n\\n``. The JSON is produced by orjson (no raw newlines inside a data line), so one
 ``data`` line per event is always a valid frame. Event names::
 
-    generation.created      {generation_id, sequence: 0, status}
+    generation.created      {generation_id, sequence: 0, status[, conversation_id, revision]}
     generation.text.delta   {generation_id, sequence, index, delta}
     generation.completed    {generation_id, sequence, usage: {input_tokens, output_tokens}}
     generation.cancelled    {generation_id, sequence, partial, usage}
@@ -33,8 +33,11 @@ def frame(event: str, data: dict[str, Any]) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-def created(generation_id: str, status: str) -> bytes:
-    return frame(CREATED, {"generation_id": generation_id, "sequence": 0, "status": status})
+def created(generation_id: str, status: str, conversation_id: str | None = None, revision: int | None = None) -> bytes:
+    data: dict[str, Any] = {"generation_id": generation_id, "sequence": 0, "status": status}
+    if conversation_id is not None:
+        data["conversation_id"], data["revision"] = conversation_id, revision
+    return frame(CREATED, data)
 
 
 def delta(generation_id: str, sequence: int, index: int, text: str) -> bytes:

@@ -77,6 +77,10 @@ class GenerationStream:
     max_output_tokens: int = 1_000_000
     # How its events are written (the native generation.* events, or OpenAI's chunks).
     framer: sse.Framer = sse.NATIVE
+    # A conversation turn: its conversation and the revision its user message committed at (the
+    # created event carries both); None for a stateless request.
+    conversation_id: str | None = None
+    revision: int | None = None
     buffer: deque[bytes] = field(default_factory=deque)
     buffered_bytes: int = 0
     next_sequence: int = 1
@@ -106,6 +110,8 @@ class GenerationView:
     output_tokens: int = 0
     code: RejectionCode | None = None
     partial: bool = False
+    conversation_id: str | None = None
+    revision: int | None = None
 
 
 class StreamHub:
@@ -137,7 +143,11 @@ class StreamHub:
         self.remember(
             GenerationView(stream.generation_id, stream.user_id, RequestStatus.QUEUED, stream.model_version, stream.input_tokens)
         )
-        self._push(stream, stream.framer.created(stream.generation_id, RequestStatus.QUEUED.value), bounded=False)
+        if stream.conversation_id is not None and stream.framer is sse.NATIVE:
+            created = sse.created(stream.generation_id, RequestStatus.QUEUED.value, stream.conversation_id, stream.revision)
+        else:
+            created = stream.framer.created(stream.generation_id, RequestStatus.QUEUED.value)
+        self._push(stream, created, bounded=False)
         parked = self.early.pop(stream.generation_id, None)
         if parked is not None:
             for message in parked[1]:

@@ -106,7 +106,11 @@ class DispatchAuthorized:
     stream_to: ReplyTo | None
     # A conversation turn (docs/conversations.md): the worker spools the answer (``AnswerSpooled``)
     # before it reports the end, and the history writer persists it. "" = a stateless request.
+    # ``turn_revision``: the revision the turn committed at (its user message's seq; for a
+    # regeneration, the seq of the answer it replaces); the answer's seq is ``turn_revision + 1``.
     conversation_id: str = ""
+    turn_revision: int = 0
+    regenerate: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -237,6 +241,8 @@ class AnswerSpooled:
     generation_id: str
     epoch: int
     worker_id: str
+    turn_revision: int
+    regenerate: bool
     text: str
     # The worker's view of how the attempt ended; the ledger's own verdict (ConversationAnswerCommitted)
     # is what reads show once committed.

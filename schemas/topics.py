@@ -11,6 +11,7 @@ Data flow (DESIGN section 2)::
                                                         |--EDGE_INBOX(partition per edge)--> edge (decisions)
                                                         `--USAGE(user_id)--> analysts
     workers --EDGE_INBOX--> edge (deltas);  workers --CAPACITY--> edge admission
+    workers --ANSWERS(user_id)--> history writer --Cassandra, then CommitAnswer--> COMMANDS
     edges --EDGE_PRESENCE--> admission processors (liveness leases of the edges holding readers)
 """
 
@@ -118,6 +119,12 @@ def prompts_topic(pool: str) -> TopicSpec:
     return TopicSpec(f"chatplane.prompts.{pool}", DISPATCH_PARTITIONS, PROMPTS_RETENTION_MS, segment_ms=CONTENT_SEGMENT_MS)
 
 
+# Conversation turns' answers, spooled by their workers (AnswerSpooled; key user_id) before they
+# report the end; the history writer stores each in Cassandra, then commits it (CommitAnswer). The
+# recoverable copy of an answer not yet stored: kept a day, far past any Cassandra outage the writer
+# rides out (it holds its offsets until the writes succeed); content, so segments roll.
+ANSWERS = TopicSpec("chatplane.answers", USER_PARTITIONS, 1 * DAY_MS, segment_ms=CONTENT_SEGMENT_MS)
+
 # The processor's faust app id and its table; the changelog topic name faust derives is
 # "<app id>-<table>-changelog", and it must also have USER_PARTITIONS partitions.
 PROCESSOR_APP_ID = "chatplane-admission"
@@ -133,6 +140,11 @@ def worker_control_partition(worker_id: str) -> int:
 # Cassandra.
 KEYSPACE = "chatplane"
 GENERATIONS_TABLE = "generations_by_id"
+# Conversation history (projections/history/store.py; docs/conversations.md).
+CONVERSATIONS_TABLE = "conversations"
+CONVERSATIONS_BY_USER_TABLE = "conversations_by_user"
+MESSAGES_TABLE = "messages"
+TURN_INPUTS_TABLE = "turn_inputs"
 RESULTS_TABLE = "results_by_generation"
 
 
@@ -184,6 +196,10 @@ class Topology:
     def dead_letter(self) -> TopicSpec:
         return self._spec(DEAD_LETTER)
 
+    @property
+    def answers(self) -> TopicSpec:
+        return self._spec(ANSWERS)
+
     def dispatch(self, pool: str, tier: str) -> TopicSpec:
         return self._spec(dispatch_topic(pool, tier))
 
@@ -215,6 +231,7 @@ class Topology:
             self.capacity,
             self.edge_presence,
             self.dead_letter,
+            self.answers,
             self.changelog,
             *dispatch,
             *prompts,

@@ -66,6 +66,8 @@ class WorkerSettings:
     prompt_buffer_ttl_s: float = setting("CHATPLANE_WORKER_PROMPT_BUFFER_TTL_S", 60.0, gt=0)
     decision_timeout_s: float = setting("CHATPLANE_WORKER_DECISION_TIMEOUT_S", 3.0, gt=0)
     decision_attempts_max: int = setting("CHATPLANE_WORKER_DECISION_ATTEMPTS_MAX", 3, ge=1)
+    # Sends of a conversation turn's answer to the answers topic before the report says none was spooled.
+    spool_attempts_max: int = setting("CHATPLANE_WORKER_SPOOL_ATTEMPTS_MAX", 3, ge=1)
     generation_duration_max_s: float = setting("CHATPLANE_WORKER_GENERATION_DURATION_MAX_S", 120.0, gt=0)
     # No chunk from the engine for this long: the engine is hung; abort it and fail the attempt.
     engine_stall_max_s: float = setting("CHATPLANE_WORKER_ENGINE_STALL_MAX_S", 30.0, gt=0)

@@ -49,6 +49,7 @@ from schemas import commands as cmd
 from schemas.codes import FinishOutcome, FinishReason, RejectionCode, RequestStatus
 from schemas.commands import ReplyTo
 from schemas.messages import (
+    AnswerSpooled,
     DispatchAuthorized,
     Outcome,
     OutcomeKind,
@@ -88,6 +89,7 @@ TOKENS_PER_S_WINDOW_S = 10.0  # the heartbeat's measured rate is over this trail
 TOKEN_RATE_SAMPLES_MAX = 10_000
 PRODUCER_LINGER_MS = 0
 RENEWER_STOP_TIMEOUT_S = 5.0  # an attempt waits this long for its lease renewer to end
+SPOOL_RETRY_BACKOFF_S = 0.2  # between failed sends of a conversation answer to the answers topic
 COMMIT_ON_STOP_TIMEOUT_S = 5.0  # the last dispatch offsets are committed on shutdown within this long
 
 
@@ -513,6 +515,29 @@ class Worker:
                   self.settings.decision_attempts_max)
         return None
 
+
+    async def spool_answer(self, d: DispatchAuthorized, text: str, completed: bool, output_tokens: int) -> bool:
+        """A conversation turn's answer onto the answers topic (the history writer's recoverable copy),
+        before the report: True once the broker acknowledged it (acks=all), False after
+        ``settings.spool_attempts_max`` failed sends. Then the report says nothing was spooled, and
+        the processor commits the answer incomplete and empty rather than wait for a copy that
+        does not exist (docs/conversations.md, "Durable completion")."""
+        assert self.producer is not None
+        record = AnswerSpooled(
+            user_id=d.user_id, conversation_id=d.conversation_id, generation_id=d.generation_id, epoch=d.epoch,
+            worker_id=self.settings.worker_id, turn_revision=d.turn_revision, regenerate=d.regenerate, text=text, completed=completed, output_tokens=output_tokens,
+            spooled_at_ms=now_ms(),
+        )
+        for attempt in range(self.settings.spool_attempts_max):
+            try:
+                await self.producer.send_and_wait(
+                    self.settings.topology.answers.name, encode(record), key=d.user_id.encode()
+                )
+                return True
+            except KafkaError as exc:
+                log.warning("spooling the answer of %s failed (%s), attempt %d", d.generation_id, type(exc).__name__, attempt + 1)
+                await asyncio.sleep(SPOOL_RETRY_BACKOFF_S)
+        return False
 
     # --- dispatch consumption (pull-based, weighted paid/free) ------------------------------------
 
@@ -1138,13 +1163,18 @@ class _Attempt:
             log.warning("attempt %s epoch %d failed: %s", d.generation_id, d.epoch, self.failure_detail)
         outcome, code, reason = self._reported()
         trace.outcome = outcome
+        spooled = False
         if keeps_result(self.stop.reason):
-            await self.worker.result_sink.put(d.generation_id, d.epoch, "".join(self.text_parts), (inputs, tokens))
+            text = "".join(self.text_parts)
+            await self.worker.result_sink.put(d.generation_id, d.epoch, text, (inputs, tokens))
+            if d.conversation_id:
+                spooled = await self.worker.spool_answer(d, text, outcome is FinishOutcome.COMPLETED, tokens)
         # Reported also when fenced: the processor drops it and records LateReportIgnored.
         trace.report = await self.worker.decide(
             self._command(
                 cmd.ReportAttemptFinished, outcome=outcome, input_tokens=inputs, output_tokens=tokens,
                 finish_reason=reason, error_code=code if outcome is FinishOutcome.FAILED else None,
+                answer_spooled=spooled,
             )
         )
         self._to(AttemptState.REPORTED)

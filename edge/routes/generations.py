@@ -28,6 +28,7 @@ from control_plane.decide import generation_id_for
 from edge.deps import CurrentPrincipal, IdempotencyKey
 from edge.errors import DRAINING_RETRY_AFTER_S, ApiError
 from edge.fingerprint import fingerprint
+from edge.history import PreparedTurn, prepare_turn
 from edge.settings import EdgeSettings
 from edge import sse
 from edge.streams import GenerationStream, GenerationView, StreamHub
@@ -85,13 +86,43 @@ def request_model(messages_count_max: int, max_output_tokens_max: int) -> type[B
     """
 
     class GenerationRequest(BaseModel):
-        model_config = ConfigDict(**_STRICT, json_schema_extra={"description": STRICT_PARSING_NOTE})
+        model_config = ConfigDict(**_STRICT, json_schema_extra={"description": STRICT_PARSING_NOTE + " " + TURN_NOTE})
         model: str = Field(min_length=1, max_length=128, examples=["fast-text-model"])
-        messages: list[InputMessage] = Field(min_length=1, max_length=messages_count_max)
+        messages: list[InputMessage] = Field(default_factory=list, max_length=messages_count_max)
         stream: bool = False
         max_output_tokens: JsonInt = Field(ge=1, le=max_output_tokens_max)
+        conversation_id: str | None = Field(default=None, min_length=1, max_length=CONVERSATION_ID_CHARS_MAX)
+        expected_revision: JsonInt | None = Field(default=None, ge=0, le=10_000_000)
+        regenerate: bool = False
 
     return GenerationRequest
+
+
+CONVERSATION_ID_CHARS_MAX = 64
+TURN_NOTE = (
+    "Stateless: `messages` holds the whole context (at least one message, the last one the user's). "
+    "A conversation turn (docs/conversations.md): `conversation_id`, `expected_revision` (its committed "
+    "revision) and `messages` holding exactly the new user message; the server builds the context from "
+    "the stored history by tokens. Regenerate: `conversation_id`, `expected_revision`, `regenerate: true` "
+    "and no `messages`."
+)
+
+
+def check_turn_shape(req: Any) -> None:
+    """The message count and the conversation fields agree (one 400 naming the field otherwise)."""
+    if req.conversation_id is None:
+        if req.expected_revision is not None or req.regenerate:
+            raise ApiError(RejectionCode.INVALID_REQUEST, field="conversation_id")
+        if not req.messages:
+            raise ApiError(RejectionCode.INVALID_REQUEST, field="messages", details=RejectionDetails(limit=1))
+        return
+    if req.expected_revision is None:
+        raise ApiError(RejectionCode.INVALID_REQUEST, field="expected_revision")
+    if req.regenerate:
+        if req.messages:
+            raise ApiError(RejectionCode.INVALID_REQUEST, field="messages", details=RejectionDetails(limit=0))
+    elif len(req.messages) != 1 or req.messages[0].role != "user":
+        raise ApiError(RejectionCode.INVALID_REQUEST, field="messages", details=RejectionDetails(limit=1))
 
 
 def request_model_for(settings: EdgeSettings) -> type[BaseModel]:
@@ -112,6 +143,8 @@ class OutputText(BaseModel):
 class GenerationDocument(BaseModel):
     id: str
     status: str
+    conversation_id: str | None = None
+    revision: int | None = None  # the revision the turn's user message committed at
     model_version: str | None = None
     output: list[OutputText] = []
     usage: Usage | None = None
@@ -195,6 +228,8 @@ def validated(doc: Any, model: type[BaseModel], renamed: dict[str, str] | None =
 
 def _document(view: GenerationView, text: str | None) -> dict[str, Any]:
     doc: dict[str, Any] = {"id": view.generation_id, "status": view.status.value, "model_version": view.model_version}
+    if view.conversation_id:
+        doc["conversation_id"], doc["revision"] = view.conversation_id, view.revision
     doc["output"] = [{"type": "text", "text": text}] if text is not None else []
     doc["usage"] = {"input_tokens": view.input_tokens, "output_tokens": view.output_tokens}
     if view.status in (RequestStatus.CANCELLED, RequestStatus.FAILED):
@@ -223,6 +258,7 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
     refuse_while_draining(edge)
     body = await read_body(request, settings.request_body_bytes_max)
     req = _parse(body, request_model_for(settings))
+    check_turn_shape(req)
     admitted = await admit(request, principal, key, req, received_s)
     if isinstance(admitted, Outcome):
         return await _existing(edge, principal.user_id, admitted)
@@ -251,7 +287,8 @@ async def admit(
     refusal raises ``ApiError``."""
     edge = request.app.state.edge
     settings = edge.settings
-    if req.messages[-1].role != "user":
+    conversation_id = getattr(req, "conversation_id", None)
+    if not conversation_id and req.messages[-1].role != "user":
         raise ApiError(RejectionCode.INVALID_REQUEST, field=f"messages.{len(req.messages) - 1}.role")
     model = settings.policy.models.get(req.model)
     if model is None:
@@ -267,7 +304,17 @@ async def admit(
         edge.metrics.admissions.labels(refusal.code.value).inc()
         raise refusal
     messages = tuple(ChatMessage(role=m.role, content=m.content) for m in req.messages)
-    input_tokens = edge.count_tokens(req.model, messages)
+    turn: PreparedTurn | None = None
+    if conversation_id:
+        turn = await prepare_turn(
+            edge.history, edge.catalog.get(req.model), principal.user_id, conversation_id, req.expected_revision,
+            req.regenerate, messages[0] if messages else None, req.max_output_tokens,
+        )
+        fingerprinted = (ChatMessage(role="user", content=f"conversation {conversation_id} at {req.expected_revision} regenerate={req.regenerate}"), *messages)
+        messages, input_tokens = turn.messages, turn.input_tokens
+    else:
+        fingerprinted = messages
+        input_tokens = edge.count_tokens(req.model, messages)
     if input_tokens > settings.input_tokens_max:
         raise ApiError(RejectionCode.INVALID_REQUEST, field="messages", details=RejectionDetails(limit=settings.input_tokens_max))
     wait_s = edge.buckets.take(principal.user_id)
@@ -284,7 +331,7 @@ async def admit(
         user_id=principal.user_id,
         issued_at_ms=issued_at_ms,
         idempotency_key=key,
-        fingerprint=fingerprint(settings.fingerprint_key, req.model, messages, req.max_output_tokens),
+        fingerprint=fingerprint(settings.fingerprint_key, req.model, fingerprinted, req.max_output_tokens),
         model_alias=req.model,
         tier=principal.tier,
         stream=req.stream,
@@ -297,7 +344,15 @@ async def admit(
         decide_by_ms=settings.decide_by_ms(issued_at_ms),
         reader_id=edge.edge_id,
         reply_to=edge.client.reply_to(request_id),
+        **_turn_command_fields(turn),
     )
+    if turn is not None and turn.new_message is not None:
+        # The user message is stored before the submit: a turn the processor commits is never lost
+        # to a crash after it (edge/history.py). Keyed by the generation id this submit will get.
+        await edge.history.call(
+            "put_turn_input", generation_id_for(principal.user_id, command.command_id), turn.conversation_id,
+            turn.new_message.content, issued_at_ms,
+        )
     if settings.prompt_topic:
         # The generation id a new key's submit gets; the prompt goes where its dispatch will.
         generation_id = generation_id_for(principal.user_id, command.command_id)
@@ -325,6 +380,8 @@ async def admit(
         extra = None
         if outcome.code is RejectionCode.GENERATION_IN_PROGRESS:
             extra = {"generation_id": outcome.generation_id, "status": outcome.status.value if outcome.status else None}
+            if outcome.conversation_id:
+                extra["conversation_id"] = outcome.conversation_id
         if outcome.code is RejectionCode.RESULT_UNAVAILABLE:
             extra = {"generation_id": outcome.generation_id}
         details = outcome.details
@@ -348,9 +405,22 @@ async def admit(
         admitted_s=time.monotonic(),
         max_output_tokens=req.max_output_tokens,
         framer=framer,
+        conversation_id=outcome.conversation_id,
+        revision=outcome.revision,
     )
     edge.hub.hold(stream)
     return stream
+
+
+def _turn_command_fields(turn: PreparedTurn | None) -> dict[str, Any]:
+    if turn is None:
+        return {}
+    return {
+        "conversation_id": turn.conversation_id,
+        "expected_revision": turn.expected_revision,
+        "regenerate": turn.regenerate,
+        "restore_revision": turn.restore_revision,
+    }
 
 
 class HeldStreamResponse(StreamingResponse):
@@ -404,6 +474,7 @@ async def await_result(edge: Any, request: Request, stream: GenerationStream) ->
     view = GenerationView(
         stream.generation_id, stream.user_id, status, stream.model_version, f.input_tokens, f.output_tokens, code, f.partial
     )
+    view.conversation_id, view.revision = stream.conversation_id, stream.revision
     return view, "".join(stream.result_parts)
 
 

@@ -169,8 +169,14 @@ async def prepare(session: Any, cql: str) -> Any:
 
 
 async def ensure_schema(session: Any, settings: ReadModelSettings, *, create_keyspace: bool = True) -> None:
-    """Create the keyspace (unless told not to) and both tables if missing; safe to run any number of times."""
+    """Create the keyspace (unless told not to) and its tables if missing (the read model's and the
+    conversation history's); safe to run any number of times."""
     if create_keyspace:
         await execute(session, keyspace_ddl(settings.keyspace, settings.replication_factor), timeout_s=DDL_TIMEOUT_S)
     await execute(session, generations_ddl(settings.keyspace), timeout_s=DDL_TIMEOUT_S)
     await execute(session, results_ddl(settings.keyspace), timeout_s=DDL_TIMEOUT_S)
+    # The conversation history's tables live in the same keyspace (projections/history/store.py).
+    from projections.history.store import history_ddl
+
+    for cql in history_ddl(settings.keyspace):
+        await execute(session, cql, timeout_s=DDL_TIMEOUT_S)

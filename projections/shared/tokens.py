@@ -2,9 +2,12 @@
 the command's ``input_tokens``) and the workers, so neither imports the other.
 
 ``count_input_tokens(model, [(role, content), ...])`` counts the model's trusted system instructions
-plus every client message. For a ``gguf`` tokenizer with llama-cpp-python installed and the pinned
-weights present on this host, it is the model's real vocabulary (loaded vocabulary-only: milliseconds)
-plus ``FALLBACK_TOKENS_PER_MESSAGE`` template tokens per message; otherwise the documented estimate:
+plus every client message; it is exactly ``count_system_tokens(model)`` plus
+``count_message_tokens(model, role, content)`` of each message, which ``edge.context`` adds one
+message at a time when it fits a conversation's history into the model's context. For a ``gguf``
+tokenizer with llama-cpp-python installed and the pinned weights present on this host, it is the
+model's real vocabulary (loaded vocabulary-only: milliseconds) plus ``FALLBACK_TOKENS_PER_MESSAGE``
+template tokens per message; otherwise the documented estimate:
 UTF-8 bytes / ``FALLBACK_BYTES_PER_TOKEN`` rounded up, plus the same framing per message. English BPE
 averages about 4 bytes per token, so the estimate over-counts: a limit on it is never looser than on
 the real count.
@@ -55,13 +58,39 @@ def vocabulary_path(model: CatalogModel) -> str | None:
 
 
 def count_input_tokens(model: CatalogModel, messages: Iterable[tuple[str, str]]) -> int:
-    """Input tokens of a request: the model's trusted instructions plus the client's messages."""
+    """Input tokens of a request: the model's trusted instructions plus the client's messages.
+
+    Defined as ``count_system_tokens`` plus ``count_message_tokens`` of every message, so a caller
+    that adds messages one at a time (``edge.context``) reaches exactly this figure.
+    """
+    return count_system_tokens(model) + sum(count_message_tokens(model, role, content) for role, content in messages)
+
+
+def count_system_tokens(model: CatalogModel) -> int:
+    """Tokens of the model's trusted system instructions, framed like one message.
+
+    The estimate counts the instructions as one more message (bytes / 3 plus the framing), as it
+    always has, even when they are empty: the framing of the system turn is still sent.
+    """
     path = vocabulary_path(model)
     if path is not None:
-        return _system_tokens(path, model.system_instructions) + sum(
-            _token_count(path, content) + FALLBACK_TOKENS_PER_MESSAGE for _role, content in messages
-        )
-    return fallback_token_estimate([model.system_instructions, *(content for _role, content in messages)])
+        return _system_tokens(path, model.system_instructions)
+    return fallback_token_estimate([model.system_instructions])
+
+
+def count_message_tokens(model: CatalogModel, role: str, content: str) -> int:
+    """Tokens of one client or history message: its content plus ``FALLBACK_TOKENS_PER_MESSAGE``.
+
+    The role's framing (``<|im_start|>user\n`` ... ``<|im_end|>\n`` in ChatML) is counted as the
+    constant ``FALLBACK_TOKENS_PER_MESSAGE`` for every role, the figure ``count_input_tokens`` has
+    always used, so ``role`` does not change the result today; it is a parameter so that a per-role
+    framing can be added in one place and so callers (and their caches) key on the whole message.
+    """
+    del role  # framed by the constant per-message overhead (see above)
+    path = vocabulary_path(model)
+    if path is not None:
+        return _token_count(path, content) + FALLBACK_TOKENS_PER_MESSAGE
+    return fallback_token_estimate([content])
 
 
 @functools.lru_cache(maxsize=VOCABS_CACHED_MAX)

@@ -115,9 +115,11 @@ class FakeWorker:
 
 
 class ProjectionProcess:
-    """``python -m projections.readmodel`` as a subprocess (SIGTERM to stop, SIGKILL to crash)."""
+    """``python -m projections.readmodel`` (or another ``module``, e.g. the history writer
+    ``projections.history``) as a subprocess (SIGTERM to stop, SIGKILL to crash)."""
 
-    def __init__(self, bootstrap: str, namespace: str, log_dir: Path, **env: Any) -> None:
+    def __init__(self, bootstrap: str, namespace: str, log_dir: Path, module: str = "projections.readmodel", **env: Any) -> None:
+        self.module = module
         self.bootstrap = bootstrap
         self.namespace = namespace
         self.log_dir = log_dir
@@ -130,11 +132,17 @@ class ProjectionProcess:
         env = dict(os.environ)
         env.update(CHATPLANE_KAFKA_BOOTSTRAP=self.bootstrap, CHATPLANE_NAMESPACE=self.namespace, PYTHONUNBUFFERED="1")
         env.update(self.env)
-        self.log_path = self.log_dir / f"readmodel-{self.starts}.log"
+        self.log_path = self.log_dir / f"{self.module.rsplit('.', 1)[-1]}-{self.starts}.log"
         log = open(self.log_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "projections.readmodel"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", self.module], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
+
+    def kill(self) -> None:
+        """kill -9: no shutdown path runs (offsets stay where the last commit left them)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=PROJECTION_STOP_TIMEOUT_S)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -64,10 +64,12 @@ def test_twenty_racing_turns_against_one_revision_admit_exactly_one_and_charge_o
     outcomes = [L.turn(f"race-{i}", 0).outcome for i in range(20)]
     admitted = [o for o in outcomes if o.kind is OutcomeKind.ADMITTED]
     assert len(admitted) == 1
-    # The first loses to the in-flight turn; after its answer commits the rest are stale revisions.
-    assert all(o.code is RejectionCode.GENERATION_IN_PROGRESS for o in outcomes[1:])
-    assert outcomes[1].generation_id == admitted[0].generation_id
+    # The winner's user message moved the revision: every other one is a stale-revision conflict.
+    assert all(o.code is RejectionCode.CONVERSATION_CONFLICT and o.details.revision == 1 for o in outcomes[1:])
     g = admitted[0].generation_id
+    # A turn sent at the new revision while the answer runs is told which generation runs.
+    busy = L.turn("busy", 1).outcome
+    assert busy.code is RejectionCode.GENERATION_IN_PROGRESS and busy.generation_id == g
     L.accept(g)
     L.report(g, answer_spooled=True)
     L.commit_answer(g)

@@ -1,0 +1,166 @@
+"""The edge's side of conversations: the history store, opened lazily, and a turn's context.
+
+Data flow of a turn (``POST /v1/generations`` with ``conversation_id``; docs/conversations.md)::
+
+    client --turn--> edge: conversation row (owner, parked revision)   <-- Cassandra
+                           history newest first, by tokens (edge.context) <-- Cassandra messages
+                           the user message -> turn_inputs (Cassandra), BEFORE the submit
+                     --SubmitGeneration(conversation_id, expected_revision)--> processor (the decision)
+
+The context is built here because the command's ``input_tokens`` must count exactly what the engine
+sees (quota and token budgets are decided on it): the prompt published beside the submit is this
+context, and the worker runs it as given. The user message is stored before the submit so that no
+crash loses a turn the processor committed (the history writer copies it into ``messages`` from
+``turn_inputs``, keyed by the generation id the submit will get: a same-key retry never stores it
+twice, and a refused turn's text is only an orphan ``turn_inputs`` row that its TTL removes).
+
+Failures: any store failure is ``503 history_unavailable`` (retryable, Retry-After), for conversation
+reads and turns only; stateless requests never touch the store. A committed revision the store has
+not caught up with yet (the history writer lags the ledger by a few milliseconds) is waited for, at
+most ``CATCH_UP_WAIT_S``; it is never built around: a context that silently omits the user's
+just-committed message is the one thing a turn must not do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from edge.context import NoTurnToRegenerate, TurnTooLarge, build_context, history_page_reader
+from edge.errors import ApiError
+from projections.shared.catalog import CatalogModel
+from schemas.codes import RejectionCode
+from schemas.messages import ChatMessage, RejectionDetails
+
+log = logging.getLogger("chatplane.edge.history")
+
+HISTORY_REOPEN_INTERVAL_S = 5.0  # a failed open is retried no more often than this
+HISTORY_OPEN_TIMEOUT_S = 10.0
+CATCH_UP_WAIT_S = 2.0  # a turn waits this long for the store to show the revision it was sent against
+CATCH_UP_POLL_S = 0.02
+HISTORY_RETRY_AFTER_S = 1
+
+
+def unavailable() -> ApiError:
+    return ApiError(RejectionCode.HISTORY_UNAVAILABLE, retry_after_s=HISTORY_RETRY_AFTER_S)
+
+
+class History:
+    """The edge's ``HistoryStore``, opened on first use; every failure is ``history_unavailable``."""
+
+    def __init__(self) -> None:
+        self._store: Any = None
+        self._opened_at_s = -HISTORY_REOPEN_INTERVAL_S
+        self._lock = asyncio.Lock()
+
+    async def store(self) -> Any:
+        if self._store is not None:
+            return self._store
+        async with self._lock:
+            if self._store is None and time.monotonic() - self._opened_at_s >= HISTORY_REOPEN_INTERVAL_S:
+                self._opened_at_s = time.monotonic()
+                try:
+                    from projections.history.store import HistoryStore
+
+                    async with asyncio.timeout(HISTORY_OPEN_TIMEOUT_S):
+                        self._store = await HistoryStore.open()
+                except Exception as exc:  # noqa: BLE001 - any failure is "unavailable"; retried later
+                    log.warning("history store unavailable: %s", type(exc).__name__)
+        if self._store is None:
+            raise unavailable()
+        return self._store
+
+    async def call(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        """``store.<op>(...)``, its failure answered as ``history_unavailable``."""
+        from projections.history.store import HistoryUnavailable
+
+        store = await self.store()
+        try:
+            return await getattr(store, op)(*args, **kwargs)
+        except HistoryUnavailable:
+            raise unavailable() from None
+
+    async def close(self) -> None:
+        if self._store is not None:
+            await self._store.close()
+            self._store = None
+
+
+async def owned_conversation(history: History, conversation_id: str, user_id: str) -> Any:
+    """The conversation's row if ``user_id`` owns it and it is live; else 404 exactly like an unknown id."""
+    row = await history.call("get_conversation", conversation_id)
+    if row is None or row.user_id != user_id or row.status != "active":
+        raise ApiError(RejectionCode.NOT_FOUND)
+    return row
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedTurn:
+    conversation_id: str
+    expected_revision: int
+    regenerate: bool
+    restore_revision: int
+    messages: tuple[ChatMessage, ...]  # the whole context the engine sees, oldest first
+    input_tokens: int
+    new_message: ChatMessage | None
+    history_used: int
+
+
+async def prepare_turn(
+    history: History,
+    model: CatalogModel,
+    user_id: str,
+    conversation_id: str,
+    expected_revision: int,
+    regenerate: bool,
+    new_message: ChatMessage | None,
+    max_output_tokens: int,
+) -> PreparedTurn:
+    """Authorize the conversation and build the turn's context by tokens (see the module docstring)."""
+    row = await owned_conversation(history, conversation_id, user_id)
+    await _caught_up(history, conversation_id, expected_revision)
+    store = await history.store()
+    from projections.history.store import HistoryUnavailable
+
+    read_page = history_page_reader(functools.partial(store.read_before, conversation_id))
+    # A turn reads everything up to the revision it was sent against; a regeneration everything
+    # below the answer it replaces (whose seq is that revision), so its newest item is the user turn.
+    before = expected_revision if regenerate else expected_revision + 1
+    try:
+        built = await build_context(model, before, read_page, None if regenerate else new_message, max_output_tokens)
+    except HistoryUnavailable:
+        raise unavailable() from None
+    except TurnTooLarge as exc:
+        raise ApiError(RejectionCode.INVALID_REQUEST, field="messages", details=RejectionDetails(limit=exc.limit)) from None
+    except NoTurnToRegenerate:
+        raise ApiError(RejectionCode.INVALID_REQUEST, field="regenerate") from None
+    return PreparedTurn(
+        conversation_id=conversation_id,
+        expected_revision=expected_revision,
+        regenerate=regenerate,
+        restore_revision=row.parked_revision if row.parked_revision is not None else -1,
+        messages=built.messages,
+        input_tokens=built.input_tokens,
+        new_message=new_message,
+        history_used=built.history_used,
+    )
+
+
+async def _caught_up(history: History, conversation_id: str, expected_revision: int) -> None:
+    """Wait (bounded) until the store holds the committed message at ``expected_revision``."""
+    if expected_revision == 0:
+        return
+    deadline = time.monotonic() + CATCH_UP_WAIT_S
+    while True:
+        rows = await history.call("read_before", conversation_id, expected_revision + 1, 1)
+        if rows and rows[0].seq == expected_revision and rows[0].status is not None:
+            return
+        if time.monotonic() >= deadline:
+            # Either the writer lags (retry helps) or the revision was never committed (the client's
+            # mistake); neither may be built around.
+            raise unavailable()
+        await asyncio.sleep(CATCH_UP_POLL_S)
