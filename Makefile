@@ -55,6 +55,7 @@ up: venv cpu-runtime jars
 	@# The lead adds arguments here as the components land; keep one line per process.
 	@infra/component-start projections projections
 	@infra/component-start readmodel projections.readmodel
+	@infra/component-start history projections.history
 	@infra/component-start workers workers --engine cpu
 	@infra/component-start edge edge
 	@if [ -f edge/__main__.py ]; then CHATPLANE_EDGE_PORT=$(EDGE_PORT) infra/edge-wait; fi
@@ -70,6 +71,7 @@ up: venv cpu-runtime jars
 down:
 	@infra/component-stop edge
 	@infra/component-stop workers
+	@infra/component-stop history
 	@infra/component-stop readmodel
 	@infra/component-stop projections
 	@if [ -x $(PY) ]; then infra/cassandra-stop; infra/kafka-stop; else echo "no venv: nothing started"; fi

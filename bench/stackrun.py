@@ -5,7 +5,8 @@ Its own Kafka broker and Cassandra node (``infra/kafka-start``, ``infra/cassandr
 ports, data and pids under ``work_dir``, so the stack ``make up`` or the test session runs is never
 touched), its own topic namespace and keyspace (``infra/create-topics``), then each component as a
 process of its real entry point: ``python -m projections`` (admission processor),
-``python -m projections.readmodel``, ``python -m workers --engine sim``, ``python -m edge``; several
+``python -m projections.readmodel``, ``python -m projections.history``, ``python -m workers --engine sim``,
+``python -m edge``; several
 instances of each where asked. Every process can be killed (any signal), paused (SIGSTOP: a worker
 that stalls), restarted; the servers can be restarted.
 
@@ -147,6 +148,7 @@ class Stack:
     workers: int = 2
     edges: int = 2
     readmodels: int = 1
+    histories: int = 1  # history writers (python -m projections.history): conversation turns need one
     # Private server ports: free ones unless given (never the ports `make up` and the tests use).
     kafka_port: int = 0
     kafka_controller_port: int = 0
@@ -211,6 +213,8 @@ class Stack:
                 "CHATPLANE_PROCESSOR_ID": f"p{i}", "CHATPLANE_DATA_DIR": str(self.work_dir / "data" / f"processor-{i}")})
         for i in range(1, self.readmodels + 1):
             add("readmodel", i, "projections.readmodel", [], {})
+        for i in range(1, self.histories + 1):
+            add("history", i, "projections.history", [], {})
         for i in range(1, self.workers + 1):
             add("worker", i, "workers", ["--engine", "sim"], {
                 "CHATPLANE_WORKER_ID": f"w{i}", "CHATPLANE_WORKER_MODEL_ALIAS": SIM_ALIAS})
@@ -325,8 +329,8 @@ class Stack:
                     await asyncio.sleep(POLL_S)
 
     def stop(self, servers: bool = True) -> None:
-        """Edges first (they drain), then workers, read models, processors; then the servers."""
-        for kind in ("edge", "worker", "readmodel", "processor"):
+        """Edges first (they drain), then workers, read models, history writers, processors; then the servers."""
+        for kind in ("edge", "worker", "readmodel", "history", "processor"):
             for c in self.of_kind(kind):
                 c.stop()
         if servers:
