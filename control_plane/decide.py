@@ -496,27 +496,37 @@ def _commit_answer(state: UserLedger, c: CommitAnswer, out: _Emitter) -> Decisio
     if conversation is None or conversation.in_flight != c.generation_id:
         # Committed already (a repeated commit), or the conversation was deleted meanwhile.
         return out.decision(OutcomeKind.EXISTING, conversation_id=c.conversation_id)
+    if conversation.answer_pending:
+        # Everything the commit needs is the conversation's: the request record may have been purged
+        # meanwhile (its retention runs from its end, and the writer may come back much later).
+        if c.epoch != conversation.pending_epoch:
+            return out.decision(OutcomeKind.EXISTING, conversation_id=c.conversation_id)
+        _emit_commit(conversation, c.generation_id, c.epoch, conversation.pending_status, c.conversation_id, out, spooled=True)
+        return out.decision(
+            OutcomeKind.APPLIED, generation_id=c.generation_id, conversation_id=c.conversation_id, revision=conversation.turn_revision + 1
+        )
     record = state.record_of(c.generation_id)
     if record is None or c.epoch != record.epoch:
         return out.decision(OutcomeKind.EXISTING, conversation_id=c.conversation_id)
-    if conversation.answer_pending:
-        _commit(conversation, record, record.status, c.conversation_id, out, spooled=True)
-        return out.decision(OutcomeKind.APPLIED, record, conversation_id=c.conversation_id, revision=conversation.turn_revision + 1)
     if not conversation.answer_stored:
         out.emit(ev.ConversationAnswerStored, record.generation_id, conversation_id=c.conversation_id, epoch=c.epoch)
     return out.decision(OutcomeKind.APPLIED, record, conversation_id=c.conversation_id, revision=conversation.revision)
 
 
-def _commit(
-    conversation: Conversation, record: RequestRecord, status: RequestStatus, conversation_id: str, out: _Emitter, spooled: bool
+def _answer_status(status: RequestStatus) -> str:
+    return "completed" if status is RequestStatus.COMPLETED else "incomplete"
+
+
+def _emit_commit(
+    conversation: Conversation, generation_id: str, epoch: int, status: str, conversation_id: str, out: _Emitter, spooled: bool
 ) -> None:
     out.emit(
         ev.ConversationAnswerCommitted,
-        record.generation_id,
+        generation_id,
         conversation_id=conversation_id,
         revision=conversation.turn_revision + 1,
-        epoch=record.epoch,
-        status="completed" if status is RequestStatus.COMPLETED else "incomplete",
+        epoch=epoch,
+        status=status,
         spooled=spooled,
         replaces_seq=conversation.turn_revision if conversation.regenerate else 0,
     )
@@ -534,9 +544,11 @@ def _end_turn(state: UserLedger, record: RequestRecord, out: _Emitter, status: R
     if conversation is None or conversation.in_flight != record.generation_id:
         return
     if spooled and not conversation.answer_stored:
-        out.emit(ev.ConversationAnswerPending, record.generation_id, conversation_id=cid, epoch=record.epoch)
+        out.emit(
+            ev.ConversationAnswerPending, record.generation_id, conversation_id=cid, epoch=record.epoch, status=_answer_status(status)
+        )
         return
-    _commit(conversation, record, status, cid, out, spooled=spooled)
+    _emit_commit(conversation, record.generation_id, record.epoch, _answer_status(status), cid, out, spooled=spooled)
 
 
 def _free_slot(state: UserLedger, policy: Policy) -> int | None:

@@ -313,7 +313,7 @@ def _turn_committed(state: UserLedger, e: ev.ConversationTurnCommitted) -> UserL
 
 
 def _answer_pending(state: UserLedger, e: ev.ConversationAnswerPending) -> UserLedger:
-    return _change_conversation(state, e, answer_pending=True)
+    return _change_conversation(state, e, answer_pending=True, pending_epoch=e.epoch, pending_status=e.status)
 
 
 def _answer_stored(state: UserLedger, e: ev.ConversationAnswerStored) -> UserLedger:
@@ -322,7 +322,16 @@ def _answer_stored(state: UserLedger, e: ev.ConversationAnswerStored) -> UserLed
 
 def _answer_committed(state: UserLedger, e: ev.ConversationAnswerCommitted) -> UserLedger:
     return _change_conversation(
-        state, e, revision=e.revision, in_flight="", turn_revision=0, regenerate=False, answer_pending=False, answer_stored=False
+        state,
+        e,
+        revision=e.revision,
+        in_flight="",
+        turn_revision=0,
+        regenerate=False,
+        answer_pending=False,
+        answer_stored=False,
+        pending_epoch=0,
+        pending_status="",
     )
 
 

@@ -119,6 +119,9 @@ class Conversation:
     regenerate: bool = False
     answer_pending: bool = False
     answer_stored: bool = False
+    # While ``answer_pending``: the ended attempt's epoch and how it ended ("completed"/"incomplete").
+    pending_epoch: int = 0
+    pending_status: str = ""
 
 
 @dataclass(frozen=True, slots=True)

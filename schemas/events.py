@@ -299,6 +299,9 @@ class ConversationAnswerPending(_EventBase):
     type: Literal["ConversationAnswerPending"] = "ConversationAnswerPending"
     conversation_id: str
     epoch: int
+    # How the generation ended ("completed" | "incomplete"): the answer commits with it even if the
+    # generation's request record is purged before the writer's CommitAnswer arrives.
+    status: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

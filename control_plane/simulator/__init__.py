@@ -121,6 +121,12 @@ class SimConfig:
     poll_every_ms: int = 2_000  # a worker with a free slot also polls when dispatch arrives
     clock_skew_ms: int = 2_000  # each issuer's clock is off the true time by up to this, either way
     drain_ms: int = 10 * 60_000  # how long the system runs without new requests before the final reconcile
+    # Conversations (docs/conversations.md): the share of a user's new requests that are about a
+    # conversation (create, delete, a turn or a regeneration, sometimes against a stale revision as a
+    # second device would), and the share of spooled answers (the rest end without a spool).
+    conversation_p: float = 0.35
+    stale_revision_p: float = 0.15
+    answer_spooled_p: float = 0.9
 
 
 def sim_policy(config: SimConfig) -> Policy:
@@ -199,6 +205,12 @@ class Simulation:
         }
         self.started: list[tuple[str, int, str]] = []
         self.draining = False
+        # What the history writer stores of parks (the conversation row's parked revision), from the
+        # ledger: an edge restores a parked conversation from it.
+        self.parked: dict[str, int] = {}
+        # Generations whose CommitAnswer the history writer has sent and the processor not yet read
+        # (a run cut off without a drain ends with some).
+        self.commits_outstanding: Counter[str] = Counter()
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -268,6 +280,23 @@ class Simulation:
                     self.fail(f"key {e.user_id}/{e.idempotency_key} names {named} and {e.generation_id}")
             elif isinstance(e, ev.DedupRecordPurged):
                 self.key_to_generation.pop((e.user_id, e.idempotency_key), None)
+            elif isinstance(e, ev.ConversationParked):
+                self.parked[e.conversation_id] = e.revision
+            elif isinstance(e, (ev.ConversationRestored, ev.ConversationDeleted)):
+                self.parked.pop(e.conversation_id, None)
+
+    def history_writer_commit(self, d: DispatchAuthorized) -> None:
+        """The history writer stored a spooled answer: ``CommitAnswer``, appended reliably (the writer
+        keeps its spool offset until the append is acknowledged), sometimes twice (a redelivery)."""
+        command = cmd.CommitAnswer(
+            command_id=self.new_id(f"commit:{d.user_id}"), user_id=d.user_id, issued_at_ms=self.now_ms,
+            conversation_id=d.conversation_id, generation_id=d.generation_id, epoch=d.epoch,
+        )
+        self.at(self.net_delay(), self.processor.append, encode(command))
+        if self.rng.random() < self.config.net_dup_p:
+            self.commits_outstanding[d.generation_id] += 1
+            again = dataclasses.replace(command, command_id=self.new_id("commit-again"))
+            self.at(self.net_delay(), self.processor.append, encode(again))
 
     def deliver_usage(self, value: bytes) -> None:
         e = decode_event(value)
@@ -369,6 +398,9 @@ class Simulation:
             for record in state.requests.values():
                 if record.status.active:
                     self.fail(f"{record.generation_id} still {record.status} after every deadline passed")
+            for cid, conversation in state.conversations.items():
+                if conversation.in_flight and not self.commits_outstanding[conversation.in_flight]:
+                    self.fail(f"{cid} still waits for the answer of {conversation.in_flight} after draining")
             events = [e for e in self.ledger.values() if e.user_id == user]
             if evolve_all(UserLedger(user), events) != state:
                 self.fail(f"{user}: the processor's state is not the fold of the ledger")
@@ -394,7 +426,11 @@ class Simulation:
         settled: Counter[str] = Counter(
             type(e).__name__ for e in self.ledger.values() if isinstance(e, (ev.ReservationConsumed, ev.ReservationReleased))
         )
+        conversation_events: Counter[str] = Counter(
+            type(e).__name__.removeprefix("Conversation") for e in self.ledger.values() if type(e).__name__.startswith("Conversation")
+        )
         return {
+            "conversations": dict(conversation_events),
             "events": len(self.ledger),
             "admitted": sum(isinstance(e, ev.GenerationAdmitted) for e in self.ledger.values()),
             "terminal": dict(terminal),
@@ -462,6 +498,8 @@ class Processor:
             command = dataclasses.replace(command, read_at_ms=read_at)
             sim.stats.submits_read_late += read_past_deadline(command)
         user = command.user_id
+        if isinstance(command, cmd.CommitAnswer) and sim.commits_outstanding[command.generation_id] > 0:
+            sim.commits_outstanding[command.generation_id] -= 1
         before = self.aggregates.get(user) or Aggregate.empty(user)
         after, decision, redelivered = handle(before, command, sim.policy)
         sim.stats.commands_consumed += 1
@@ -568,6 +606,9 @@ class Request:
     admission_retries: int = 0
     generation_id: str | None = None
     cancel_tries: int = 0
+    conversation_id: str = ""
+    expected_revision: int = 0
+    regenerate: bool = False
 
 
 # Readers: every submit names the simulated edge; a share of cancels are a client going away
@@ -588,6 +629,8 @@ class Edge:
         self.history: dict[str, list[Request]] = defaultdict(list)
         self.fingerprints: dict[tuple[str, str], set[str]] = defaultdict(set)
         self.clock_skew_ms = sim.skew()
+        # The client's view of its conversations: id -> the revision it believes committed.
+        self.conversations: dict[str, dict[str, int]] = defaultdict(dict)
         self.deadline_clock_skew_ms = sim.rng.randint(-sim.config.decision_clock_skew_ms, sim.config.decision_clock_skew_ms)
 
     def decide_by_ms(self) -> int:
@@ -604,6 +647,9 @@ class Edge:
         if sim.draining:
             return
         sim.at(sim.between(config.request_gap_ms), self.new_request, user)
+        if sim.rng.random() < config.conversation_p:
+            self.conversation_request(user)
+            return
         earlier = self.history[user]
         roll = sim.rng.random()
         if earlier and roll < config.conflict_p:
@@ -619,6 +665,45 @@ class Edge:
             earlier.append(request)
             if len(earlier) > 50:
                 earlier.pop(0)
+        self.submit(request)
+
+    def conversation_request(self, user: str) -> None:
+        """Create, delete, or a turn (maybe a regeneration, maybe at a stale revision) in a conversation."""
+        sim = self.sim
+        mine = self.conversations[user]
+        roll = sim.rng.random()
+        if len(mine) < 2 or roll < 0.05:
+            cid = sim.new_id(f"conv-{user}")
+            mine[cid] = 0
+            request_id, reply_to = self.reply_to()
+            self.pending[request_id] = ("create", Request(user, cid, "", Tier.FREE, 0, conversation_id=cid))
+            sim.append_command(
+                cmd.CreateConversation(
+                    command_id=sim.new_id(f"create:{user}"), user_id=user, issued_at_ms=sim.now_ms + self.clock_skew_ms,
+                    conversation_id=cid, reply_to=reply_to,
+                )
+            )
+            return
+        cid = sim.rng.choice(sorted(mine))
+        if roll < 0.08:
+            del mine[cid]
+            request_id, reply_to = self.reply_to()
+            sim.append_command(
+                cmd.DeleteConversation(
+                    command_id=sim.new_id(f"delete:{user}"), user_id=user, issued_at_ms=sim.now_ms + self.clock_skew_ms,
+                    conversation_id=cid, restore_revision=sim.parked.get(cid, -1), reply_to=reply_to,
+                )
+            )
+            return
+        revision = mine[cid]
+        if sim.rng.random() < sim.config.stale_revision_p:
+            revision = max(0, revision - sim.rng.randint(1, 2))  # a second device that has not caught up
+        regenerate = revision >= 2 and sim.rng.random() < 0.15
+        key = sim.new_id(f"{user}-turn")
+        request = Request(
+            user, key, f"fp-{key}", Tier.FREE, sim.rng.choice((16, 64)),
+            conversation_id=cid, expected_revision=revision, regenerate=regenerate,
+        )
         self.submit(request)
 
     def submit(self, request: Request) -> None:
@@ -641,6 +726,10 @@ class Edge:
             decide_by_ms=self.decide_by_ms(),
             reader_id=READER_ID,
             reply_to=reply_to,
+            conversation_id=request.conversation_id,
+            expected_revision=request.expected_revision,
+            regenerate=request.regenerate,
+            restore_revision=sim.parked.get(request.conversation_id, -1) if request.conversation_id else -1,
         )
         self.pending[request_id] = ("submit", request)
         sim.append_command(command)
@@ -727,6 +816,17 @@ class Edge:
             return  # a duplicate, or a late answer to a request that already timed out
         kind, request = entry
         sim = self.sim
+        if kind == "create":
+            if outcome.code is RejectionCode.NOT_FOUND or outcome.code is RejectionCode.RATE_LIMITED:
+                self.conversations[request.user].pop(request.conversation_id, None)
+            return
+        if request.conversation_id:
+            mine = self.conversations[request.user]
+            if outcome.code is RejectionCode.CONVERSATION_CONFLICT and outcome.details.revision is not None:
+                if request.conversation_id in mine:
+                    mine[request.conversation_id] = outcome.details.revision
+            elif outcome.code is RejectionCode.NOT_FOUND:
+                mine.pop(request.conversation_id, None)
         if kind == "cancel":
             if outcome.kind is OutcomeKind.CANCEL_REQUESTED and sim.rng.random() < 0.3:
                 sim.at(sim.between((500, 3_000)), self.cancel, request)  # the impatient second click
@@ -765,6 +865,13 @@ class Edge:
         sim = self.sim
         if request is None or sim.draining:
             return
+        if request.conversation_id:
+            # The answer committed: the next turn goes after it (the client learns the revision here).
+            mine = self.conversations[request.user]
+            if request.conversation_id in mine:
+                base = request.expected_revision if request.regenerate else request.expected_revision + 1
+                mine[request.conversation_id] = max(mine[request.conversation_id], base + 1)
+            return
         if message.status is RequestStatus.ADMISSION_RETRYABLE and sim.rng.random() < 0.7:
             # Proven never started: the client's retry reserves afresh under the same key.
             request.tries = 0
@@ -787,6 +894,7 @@ class Run:
     lease_until_ms: int = 0
     last_renew_ms: int = 0
     outcome: FinishOutcome = FinishOutcome.COMPLETED
+    spooled: bool = False
 
 
 class Worker:
@@ -862,11 +970,19 @@ class Worker:
             output_tokens=run.tokens,
             finish_reason="stop" if run.outcome is FinishOutcome.COMPLETED else "",
             error_code=RejectionCode.MODEL_BACKEND_ERROR if failed else None,
+            answer_spooled=run.spooled,
         )
 
     def finish(self, key: tuple[str, int], outcome: FinishOutcome) -> None:
         run = self.runs[key]
         run.phase, run.outcome, run.tries = "reporting", outcome, 0
+        d = run.dispatch
+        if d.conversation_id and self.sim.rng.random() < self.sim.config.answer_spooled_p:
+            # Spooled (acknowledged by the broker) before the report; the history writer stores it
+            # and commits it after its own delay, independent of this worker's fate.
+            run.spooled = True
+            self.sim.commits_outstanding[d.generation_id] += 1
+            self.sim.at(self.sim.between((5, 3_000)), self.sim.history_writer_commit, d)
         self.report(key)
 
     def timeout(self, request_id: str, incarnation: int) -> None:

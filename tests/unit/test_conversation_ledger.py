@@ -266,3 +266,19 @@ def test_the_codec_round_trips_conversations_and_reads_older_values():
     back = load_aggregate(dump_aggregate(L.aggregate))
     assert back.ledger == L.state
     assert replace(L.state, conversations={}, conversation_tombstones={}).conversations == {}
+
+
+def test_a_pending_answer_commits_even_after_its_request_record_was_purged():
+    # Found by the simulator (seed 1): the writer came back after the record's retention had passed,
+    # and the conversation waited for that answer forever.
+    L = Ledger()
+    L.create_conversation()
+    g = _turn(L, "t1", 0)
+    L.accept(g)
+    L.report(g, answer_spooled=True)
+    L.advance(L.policy.dedup_retention_ms + 1)
+    assert "DedupRecordPurged" in types(L.reconcile())
+    assert L.record(g) is None
+    d = L.commit_answer(g)
+    assert types(d) == ["ConversationAnswerCommitted"] and d.events[0].status == "completed"
+    assert L.state.conversations["conv_a"].in_flight == ""
