@@ -6,9 +6,10 @@ plus every client message; it is exactly ``count_system_tokens(model)`` plus
 ``count_message_tokens(model, role, content)`` of each message, which ``edge.context`` adds one
 message at a time when it fits a conversation's history into the model's context. For a ``gguf``
 tokenizer with llama-cpp-python installed and the pinned weights present on this host, it is the
-model's real vocabulary (loaded vocabulary-only: milliseconds) plus ``FALLBACK_TOKENS_PER_MESSAGE``
-template tokens per message; otherwise the documented estimate:
-UTF-8 bytes / ``FALLBACK_BYTES_PER_TOKEN`` rounded up, plus the same framing per message. English BPE
+model's real vocabulary (loaded vocabulary-only: milliseconds) plus the framing its own chat
+template puts around each message (measured once per weights file: ``_framing``), which makes it the
+token count of the prompt the CPU engine renders; otherwise the documented estimate:
+UTF-8 bytes / ``FALLBACK_BYTES_PER_TOKEN`` rounded up, plus ``FALLBACK_TOKENS_PER_MESSAGE`` per message. English BPE
 averages about 4 bytes per token, so the estimate over-counts: a limit on it is never looser than on
 the real count.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+from dataclasses import dataclass
 import importlib.util
 import math
 from collections.abc import Iterable
@@ -26,7 +28,6 @@ from projections.shared.catalog import CatalogModel, ModelFileMissing, Tokenizer
 FALLBACK_BYTES_PER_TOKEN = 3
 FALLBACK_TOKENS_PER_MESSAGE = 4
 VOCABS_CACHED_MAX = 8  # distinct weights files whose vocabulary stays loaded
-SYSTEM_COUNTS_CACHED_MAX = 64
 
 
 def fallback_token_estimate(texts: Iterable[str]) -> int:
@@ -67,30 +68,81 @@ def count_input_tokens(model: CatalogModel, messages: Iterable[tuple[str, str]])
 
 
 def count_system_tokens(model: CatalogModel) -> int:
-    """Tokens of the model's trusted system instructions, framed like one message.
+    """Tokens of the model's trusted system instructions framed as the system turn, plus the
+    generation prompt the engine appends (``<|im_start|>assistant\n`` in ChatML): everything of a
+    prompt that is not a client message.
 
     The estimate counts the instructions as one more message (bytes / 3 plus the framing), as it
     always has, even when they are empty: the framing of the system turn is still sent.
     """
     path = vocabulary_path(model)
     if path is not None:
-        return _system_tokens(path, model.system_instructions)
+        framing = _framing(path)
+        return _token_count(path, model.system_instructions) + framing.system + framing.generation_prompt
     return fallback_token_estimate([model.system_instructions])
 
 
 def count_message_tokens(model: CatalogModel, role: str, content: str) -> int:
-    """Tokens of one client or history message: its content plus ``FALLBACK_TOKENS_PER_MESSAGE``.
+    """Tokens of one client or history message, its role's framing included.
 
-    The role's framing (``<|im_start|>user\n`` ... ``<|im_end|>\n`` in ChatML) is counted as the
-    constant ``FALLBACK_TOKENS_PER_MESSAGE`` for every role, the figure ``count_input_tokens`` has
-    always used, so ``role`` does not change the result today; it is a parameter so that a per-role
-    framing can be added in one place and so callers (and their caches) key on the whole message.
+    With the model's vocabulary: the content's tokens plus the tokens the model's own chat template
+    (the GGUF's ``tokenizer.chat_template``, the one the CPU engine renders) puts around a message of
+    this role (``<|im_start|>user\n`` ... ``<|im_end|>\n`` in ChatML: 5 for a user message, 6 for an
+    assistant one in SmolLM2's vocabulary). Special tokens are atomic, so a prompt's tokens are the sum
+    of its messages' (``tests/unit/test_context_tokenizer.py`` checks the sum against the tokens of
+    the whole rendered prompt). Without it: the estimate (bytes / 3 plus
+    ``FALLBACK_TOKENS_PER_MESSAGE``), the same for every role.
     """
-    del role  # framed by the constant per-message overhead (see above)
     path = vocabulary_path(model)
     if path is not None:
-        return _token_count(path, content) + FALLBACK_TOKENS_PER_MESSAGE
+        framing = _framing(path)
+        return _token_count(path, content) + framing.by_role.get(role, framing.by_role["user"])
     return fallback_token_estimate([content])
+
+
+@dataclass(frozen=True, slots=True)
+class Framing:
+    """What a model's chat template adds around messages, in tokens."""
+
+    system: int  # around the system turn (and anything the template puts before the first message)
+    by_role: dict[str, int]  # around a user / assistant message
+    generation_prompt: int  # after the last message, where the answer starts
+
+
+@functools.lru_cache(maxsize=VOCABS_CACHED_MAX)
+def _framing(path: str) -> Framing:  # pragma: no cover - needs llama-cpp-python
+    """The template's framing, measured once per weights file by rendering one-letter messages.
+
+    Without a chat template in the file: ``FALLBACK_TOKENS_PER_MESSAGE`` everywhere (the figure used
+    before the framing was measured), and no generation prompt.
+    """
+    vocab = _vocab(path)
+    template = vocab.metadata.get("tokenizer.chat_template")
+    if not template:
+        fallback = FALLBACK_TOKENS_PER_MESSAGE
+        return Framing(fallback, {"user": fallback, "assistant": fallback}, 0)
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    def special_text(token: int) -> str:
+        return vocab._model.token_get_text(token) if token >= 0 else ""
+
+    def rendered(messages: list[dict[str, str]], generation_prompt: bool) -> int:
+        formatter = Jinja2ChatFormatter(
+            template=template, eos_token=special_text(vocab.token_eos()), bos_token=special_text(vocab.token_bos()),
+            add_generation_prompt=generation_prompt,
+        )
+        prompt = formatter(messages=messages).prompt
+        return len(vocab.tokenize(prompt.encode(), add_bos=False, special=True))
+
+    probe = "A"
+    probe_tokens = _token_count(path, probe)
+    system = [{"role": "system", "content": probe}]
+    base = rendered(system, False)
+    by_role = {
+        role: rendered([*system, {"role": role, "content": probe}], False) - base - probe_tokens
+        for role in ("user", "assistant")
+    }
+    return Framing(base - probe_tokens, by_role, rendered(system, True) - base)
 
 
 @functools.lru_cache(maxsize=VOCABS_CACHED_MAX)
@@ -101,12 +153,6 @@ def _vocab(path: str):  # pragma: no cover - needs llama-cpp-python
     # Free it before interpreter teardown (llama-cpp's finalizer fails once its module globals are gone).
     atexit.register(vocab.close)
     return vocab
-
-
-@functools.lru_cache(maxsize=SYSTEM_COUNTS_CACHED_MAX)
-def _system_tokens(path: str, text: str) -> int:
-    """The trusted instructions are the same for every request of a model: counted once."""
-    return _token_count(path, text) + FALLBACK_TOKENS_PER_MESSAGE
 
 
 def _token_count(path: str, text: str) -> int:  # pragma: no cover - needs llama-cpp-python

@@ -16,7 +16,6 @@ import pytest
 from edge.context import HistoryItem, build_context
 from projections.shared.catalog import load_catalog
 from projections.shared.tokens import (
-    FALLBACK_TOKENS_PER_MESSAGE,
     count_input_tokens,
     count_message_tokens,
     fallback_token_estimate,
@@ -47,15 +46,39 @@ def conversation(model, turns: int, seed: int = 11) -> list[HistoryItem]:
 
 
 def tokenizer_count(path: str, system: str, messages) -> int:
-    """The count computed independently: llama.cpp's public ``tokenize`` on every text plus the framing."""
+    """The count computed independently, as the CPU engine builds its prompt (workers/engines/cpu.py):
+    the model's own chat template rendered over the system turn and the messages with the generation
+    prompt, tokenized whole with llama.cpp's public ``tokenize`` (special tokens parsed)."""
     from llama_cpp import Llama
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     vocab = Llama(model_path=path, vocab_only=True, verbose=False)
     try:
-        texts = [system, *(m.content for m in messages)]
-        return sum(len(vocab.tokenize(t.encode(), add_bos=False, special=False)) + FALLBACK_TOKENS_PER_MESSAGE for t in texts)
+        formatter = Jinja2ChatFormatter(
+            template=vocab.metadata["tokenizer.chat_template"],
+            eos_token=vocab._model.token_get_text(vocab.token_eos()),
+            bos_token=vocab._model.token_get_text(vocab.token_bos()),
+            add_generation_prompt=True,
+        )
+        rendered = formatter(messages=[{"role": "system", "content": system}, *({"role": m.role, "content": m.content} for m in messages)])
+        return len(vocab.tokenize(rendered.prompt.encode(), add_bos=False, special=True))
     finally:
         vocab.close()
+
+
+def test_the_count_is_the_rendered_prompt_s_token_count_for_any_messages():
+    model = load_catalog().get(ALIAS)
+    path = vocabulary_path(model)
+    if path is None:
+        pytest.skip(f"{ALIAS}: no GGUF vocabulary on this host")
+    rnd = random.Random(5)
+    for n in (1, 2, 5, 9):
+        messages = [
+            ChatMessage("user" if i % 2 == 0 else "assistant", " ".join(rnd.choices(WORDS, k=rnd.randint(1, 40))))
+            for i in range(n)
+        ]
+        counted = count_input_tokens(model, [(m.role, m.content) for m in messages])
+        assert counted == tokenizer_count(path, model.system_instructions, messages)
 
 
 async def test_a_400_turn_conversation_fits_the_window_with_the_tokenizers_exact_count():
