@@ -58,9 +58,14 @@ BEGIN, END = "<!-- bench_core:begin -->", "<!-- bench_core:end -->"
 class Workload:
     """A time-ordered command stream for many users, at ~40 requests per user per 3 hours."""
 
-    def __init__(self, users: int, seed: int, renew_every_ms: int) -> None:
+    def __init__(self, users: int, seed: int, renew_every_ms: int, conversations: int = 0) -> None:
         self.rng = random.Random(seed)
         self.users = [f"user-{i:06d}" for i in range(users)]
+        # Conversations per user (``--conversations``): every generation is then a turn of one of
+        # them in turn (created before the first), answered through the spool and CommitAnswer.
+        self.conversations = conversations
+        self.revisions: dict[str, int] = {}
+        self.turns: dict[str, int] = {}
         self.renew_every_ms = renew_every_ms
         self.reply = cmd.ReplyTo(topic="chatplane.edge-inbox", partition=3, request_id="r")
         self._n = 0
@@ -77,6 +82,13 @@ class Workload:
         gap_ms = 3 * HOUR_MS // REQUESTS_PER_WINDOW
         for user in self.users:
             t = start_ms + self.rng.randrange(gap_ms)
+            for c in range(self.conversations):
+                cid = f"conv-{user}-{c}"
+                if cid not in self.revisions:
+                    self.revisions[cid] = 0
+                    at = start_ms + c
+                    heapq.heappush(heap, (at, seq, cmd.CreateConversation(command_id=self._id(), user_id=user, issued_at_ms=at, conversation_id=cid)))
+                    seq += 1
             while t < end_ms:
                 for at, command in self._generation(user, t):
                     heapq.heappush(heap, (at, seq, command))
@@ -99,6 +111,14 @@ class Workload:
             tier=Tier.FREE, stream=True, max_output_tokens=1024, input_tokens=rng.randint(50, 2000),
             reply_to=self.reply,
         )
+        cid = ""
+        if self.conversations:
+            n = self.turns[user] = self.turns.get(user, -1) + 1
+            cid = f"conv-{user}-{n % self.conversations}"
+            # restore_revision: what the stored row says of a parked conversation (the edge reads it).
+            revision = self.revisions[cid]
+            submit.update(conversation_id=cid, expected_revision=revision, restore_revision=revision, decide_by_ms=t + 5_000)
+            self.revisions[cid] += 2
         out: list[tuple[int, Any]] = [(t, cmd.SubmitGeneration(command_id=submit_id, issued_at_ms=t, **submit))]
         if rng.random() < 0.05:  # the phone's retry while the first is in progress
             out.append((t + 900, cmd.SubmitGeneration(command_id=self._id(), issued_at_ms=t + 900, **submit)))
@@ -121,6 +141,11 @@ class Workload:
         outcome = FinishOutcome.STOPPED if cancel_at is not None else FinishOutcome.COMPLETED
         report = dict(outcome=outcome, input_tokens=submit["input_tokens"], output_tokens=tokens + 40,
                       finish_reason="stop" if outcome is FinishOutcome.COMPLETED else "", **attempt)
+        if cid and cancel_at is None:
+            report["answer_spooled"] = True
+            committed = end + rng.randint(5, 200)  # the history writer stored it
+            out.append((committed, cmd.CommitAnswer(command_id=self._id(), user_id=user, issued_at_ms=committed,
+                                                    conversation_id=cid, generation_id=generation_id, epoch=1)))
         out.append((end, cmd.ReportAttemptFinished(command_id=self._id(), issued_at_ms=end, **report)))
         if rng.random() < 0.03:  # the finalization acknowledgement was lost: repeated by a new command
             out.append((end + 600, cmd.ReportAttemptFinished(command_id=self._id(), issued_at_ms=end + 600, **report)))
@@ -211,11 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timed-hours", type=float, default=2.0, help="traffic timed at steady state")
     parser.add_argument("--renew-every-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--conversations", type=int, default=0, help="conversations per user (every generation a turn)")
     parser.add_argument("--write-docs", action="store_true", help=f"replace the figures in {DOCS.relative_to(ROOT)}")
     args = parser.parse_args(argv)
 
     policy = Policy(models=load_catalog().policy_models())  # the shipped catalog: "fast-text-model"
-    workload = Workload(args.users, args.seed, int(args.renew_every_s * 1000))
+    workload = Workload(args.users, args.seed, int(args.renew_every_s * 1000), args.conversations)
     warm_end = T0_MS + int(args.warm_hours * HOUR_MS)
     timed_end = warm_end + int(args.timed_hours * HOUR_MS)
 
@@ -293,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = f"{platform.python_implementation()} {platform.python_version()} on {platform.machine()}, one core"
     mix_text = ", ".join(f"{k} {v / n:.1%}" for k, v in sorted(mix.items(), key=lambda kv: -kv[1]))
     lines = [
-        f"Measured {time.strftime('%Y-%m-%d', time.gmtime())} with `.venv/bin/python bench/bench_core.py` "
+        f"Measured {time.strftime('%Y-%m-%d', time.gmtime())} with `.venv/bin/python bench/bench_core.py"
+        f"{f' --conversations {args.conversations}' if args.conversations else ''}` "
         f"({machine}; {args.users} users, {args.warm_hours:g} h of history built in {build_s:.0f} s, "
         f"then {n:,} commands of {args.timed_hours:g} h of traffic timed, best of 3).",
         "",

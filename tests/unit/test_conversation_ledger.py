@@ -282,3 +282,17 @@ def test_a_pending_answer_commits_even_after_its_request_record_was_purged():
     d = L.commit_answer(g)
     assert types(d) == ["ConversationAnswerCommitted"] and d.events[0].status == "completed"
     assert L.state.conversations["conv_a"].in_flight == ""
+
+
+def test_the_processor_table_layout_keeps_conversations_and_tombstones():
+    from projections.ledger.table_store import EMPTY_LAYOUT, join, plan
+
+    L = Ledger()
+    L.create_conversation()
+    _turn(L, "t1", 0)
+    L.create_conversation("conv_b")
+    L.delete_conversation("conv_b")
+    table = dict(plan(L.aggregate, EMPTY_LAYOUT, L.policy).puts)
+    back, _ = join(table[L.user_id.encode()], table.get, L.policy)
+    assert back.ledger.conversations == L.state.conversations
+    assert back.ledger.conversation_tombstones == L.state.conversation_tombstones
