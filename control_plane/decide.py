@@ -772,7 +772,10 @@ def _attach(state: UserLedger, c: AttachReader, out: _Emitter) -> Decision:
     if record is None:
         return out.reject(RejectionCode.NOT_FOUND, generation_id=c.generation_id)
     unchanged = record.reader_id == c.reader_id and not record.detached_until_ms
-    if not record.status.active or unchanged or _being_cancelled(record):
+    # A generation submitted without a reader (``background``) never gets one: no disconnect and no
+    # edge's death may cancel it (it is bounded by its run deadline alone).
+    background = not record.reader_id
+    if not record.status.active or unchanged or background or _being_cancelled(record):
         return out.decision(OutcomeKind.EXISTING, record, status=record.status, code=record.code)
     out.emit(ev.ReaderAttached, record.generation_id, reader_id=c.reader_id)
     return out.decision(OutcomeKind.APPLIED, record, status=record.status)
@@ -823,17 +826,25 @@ def _report(state: UserLedger, c: ReportAttemptFinished, policy: Policy, out: _E
                 epoch=c.epoch,
                 finish_reason=c.finish_reason,
                 result_expires_at_ms=c.issued_at_ms + policy.result_ttl_ms,
+                sequence=c.last_sequence + 1,
             )
             status = RequestStatus.COMPLETED
         elif c.outcome is FinishOutcome.STOPPED and attempt.cancel_reason is not None:
             out.emit(
-                ev.GenerationCancelled, record.generation_id, epoch=c.epoch, reason=attempt.cancel_reason, partial=partial
+                ev.GenerationCancelled,
+                record.generation_id,
+                epoch=c.epoch,
+                reason=attempt.cancel_reason,
+                partial=partial,
+                sequence=c.last_sequence + 1,
             )
             status = RequestStatus.CANCELLED
         else:
             # A failure, or a stop nobody asked for: the worker could not finish the generation.
             code = c.error_code if c.error_code in _FAILURE_CODES else RejectionCode.MODEL_BACKEND_ERROR
-            out.emit(ev.GenerationFailed, record.generation_id, epoch=c.epoch, code=code, partial=partial)
+            out.emit(
+                ev.GenerationFailed, record.generation_id, epoch=c.epoch, code=code, partial=partial, sequence=c.last_sequence + 1
+            )
             status = RequestStatus.FAILED
         _end_turn(state, record, out, status, spooled=c.answer_spooled)
         return out.decision(OutcomeKind.APPLIED, record, status=status)

@@ -208,7 +208,9 @@ def _returned(state: UserLedger, e: ev.GenerationReturnedToAdmission) -> UserLed
 
 
 def _terminal(state: UserLedger, e: Any, status: RequestStatus, **changes: Any) -> UserLedger:
-    return _update(state, e, status=status, attempt=None, terminal_at_ms=e.occurred_at_ms, **_NO_DETACH, **changes)
+    return _update(
+        state, e, status=status, attempt=None, terminal_at_ms=e.occurred_at_ms, terminal_sequence=e.sequence, **_NO_DETACH, **changes
+    )
 
 
 # A settled request has no reader to wait for.

@@ -107,6 +107,7 @@ def route(
                     partial=getattr(e, "partial", False),
                     input_tokens=used.input_tokens if used else record.input_tokens,
                     output_tokens=used.output_tokens if used else 0,
+                    sequence=getattr(e, "sequence", 0),
                 )
                 out.append(Outbound(record.reply_to.topic, record.reply_to.partition, None, encode(finalized)))
         elif isinstance(e, ev.ConversationAnswerCommitted):
@@ -125,6 +126,7 @@ def route(
                     partial=output_tokens > 0 and record.status is not RequestStatus.COMPLETED,
                     input_tokens=used.input_tokens if used else record.input_tokens,
                     output_tokens=output_tokens,
+                    sequence=record.terminal_sequence,
                 )
                 out.append(Outbound(record.reply_to.topic, record.reply_to.partition, None, encode(finalized)))
         elif isinstance(e, ev.UsageRecorded):

@@ -72,6 +72,7 @@ class RequestRecord:
     detached_until_ms: int = 0
     detach_reason: CancelReason | None = None
     conversation_id: str = ""  # the conversation this generation answers a turn of ("" = stateless)
+    terminal_sequence: int = 0  # the terminal event's sequence (its SSE id); 0: after the last stored delta
 
 
 @dataclass(frozen=True, slots=True)

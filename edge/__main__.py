@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import resource
 from types import FrameType
 from typing import Any
@@ -142,7 +143,22 @@ def main() -> None:
     warn_if_descriptors_short(settings.connections_max)
     config = uvicorn_config(app, settings, log_level=level.lower())
     server = DrainingServer(config, app.state.edge)
-    server.run()
+    if settings.socket_sndbuf_bytes:
+        server.run(sockets=[listening_socket(settings)])
+    else:
+        server.run()
+
+
+def listening_socket(settings: EdgeSettings) -> socket.socket:
+    """The listening socket with a fixed kernel send buffer per connection (accepted sockets inherit
+    it; Linux then stops autotuning it): what a client that stops reading can hold in the kernel,
+    beyond the edge's own stream buffer, is bounded by it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, settings.socket_sndbuf_bytes)
+    sock.bind((settings.host, settings.port))
+    sock.listen(2048)
+    return sock
 
 
 if __name__ == "__main__":

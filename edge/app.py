@@ -37,6 +37,7 @@ from edge.metrics import EdgeMetrics
 from edge.ratelimit import TokenBuckets
 from edge.history import History
 from edge.readmodel import ReadModel
+from edge.replay import ReplayAccess
 from edge.routes import conversations, generations, openai, usage
 from edge.settings import EdgeSettings
 from edge.shedding import LoadShedder
@@ -92,6 +93,8 @@ class Edge:
         self.reader: ReadModel | None = ReadModel() if settings.read_model else None
         # Conversation history (edge/history.py): opened on first use; stateless requests never use it.
         self.history = History()
+        # Resumable streams (edge/replay.py): the stored deltas, opened on first use.
+        self.replay = ReplayAccess()
         # Refuses submits at once while their decision would come late (edge.shedding).
         self.shedder = LoadShedder(
             settings.shed_decision_age_ms, settings.shed_loop_lag_ms, client=lambda: self.client,
@@ -151,6 +154,7 @@ class Edge:
         if self.reader is not None:
             await self.reader.close()
         await self.history.close()
+        await self.replay.close()
 
     async def lookup(self, generation_id: str, user_id: str) -> GenerationView | None:
         """The generation if ``user_id`` owns it: this edge's memory first, then the read model."""

@@ -93,10 +93,12 @@ class ReadModel:
 
 
 def _view(v: Any) -> GenerationView:
-    return GenerationView(
+    view = GenerationView(
         v.generation_id, v.user_id, RequestStatus(v.status), v.model_version or "", v.input_tokens,
         v.output_tokens, v.code, v.partial,
     )
+    view.terminal_sequence, view.result_expires_at_ms = v.terminal_sequence, v.result_expires_at_ms
+    return view
 
 
 def _unavailable() -> ApiError:

@@ -33,6 +33,10 @@ class EdgeSettings:
     inbox_partition: int = setting("CHATPLANE_EDGE_INBOX_PARTITION", 0, ge=0)
     host: str = setting("CHATPLANE_EDGE_HOST", "127.0.0.1")
     port: int = setting("CHATPLANE_EDGE_PORT", 8080, ge=1, le=PORT_MAX)
+    # The kernel send buffer of each client connection (0: the kernel's default, autotuned up to
+    # net.ipv4.tcp_wmem's maximum, 4 MiB here). Set, it bounds what a client that stops reading holds
+    # in the kernel beyond the stream buffer, so a slow reader meets its ceiling sooner.
+    socket_sndbuf_bytes: int = setting("CHATPLANE_EDGE_SOCKET_SNDBUF_BYTES", 0, ge=0, le=64 * 1024 * 1024)
     # Connections (edge.uvicorn_adapter): a request head not read whole within this time (from the
     # accept, or from the first byte of the next request on a kept-alive connection) closes the
     # connection; a connection accepted while connections_max are open is answered 503 and closed.

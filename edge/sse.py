@@ -30,7 +30,11 @@ TERMINAL_EVENTS = frozenset({COMPLETED, CANCELLED, ERROR})
 
 
 def frame(event: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+    """One SSE event; a generation's events carry ``id: <sequence>`` (the resume point of
+    ``Last-Event-ID``, issue 16): the ``sequence`` of their data."""
+    sequence = data.get("sequence")
+    head = b"id: %d\n" % sequence if isinstance(sequence, int) else b""
+    return head + b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 def created(generation_id: str, status: str, conversation_id: str | None = None, revision: int | None = None) -> bytes:

@@ -112,6 +112,8 @@ class GenerationView:
     partial: bool = False
     conversation_id: str | None = None
     revision: int | None = None
+    terminal_sequence: int = 0  # the terminal event's id as the processor fixed it (0: after the last delta)
+    result_expires_at_ms: int | None = None
 
 
 class StreamHub:
@@ -222,12 +224,13 @@ class StreamHub:
             self.metrics.queue_age.observe(now - stream.admitted_s)
         self._collect(stream, d.text)
         if stream.streaming:
-            frame = stream.framer.delta(stream.generation_id, stream.next_sequence, d.index, d.text)
+            # The worker's sequence is the event id: every edge replays the same ids (issue 16).
+            frame = stream.framer.delta(stream.generation_id, d.sequence, d.index, d.text)
             limit = self._over_limit(stream, len(frame))
             if limit is not None:
                 self._slow_consumer(stream, limit)
                 return
-            stream.next_sequence += 1
+            stream.next_sequence = d.sequence + 1
             self._push(stream, frame, bounded=True)
 
     def _collect(self, stream: GenerationStream, text: str) -> None:
@@ -273,6 +276,7 @@ class StreamHub:
         if view is not None:
             view.status, view.code, view.partial = f.status, f.code, f.partial
             view.input_tokens, view.output_tokens = f.input_tokens, f.output_tokens
+            view.terminal_sequence = f.sequence
         stream = self.streams.get(f.generation_id)
         if stream is None:
             if view is None:
@@ -288,14 +292,18 @@ class StreamHub:
             # Declined before it started (no worker took it in time): retryable with the same key.
             status, code = RequestStatus.FAILED, RejectionCode.CAPACITY_EXHAUSTED
         stream.terminal_status = status
-        if status is RequestStatus.COMPLETED and not stream.result_truncated:
+        # Deltas after the reader left were not collected: that text is not the whole result (the
+        # result store has it; this edge's memory must not answer with a truncated copy).
+        if status is RequestStatus.COMPLETED and not stream.result_truncated and not stream.reader_gone:
             self._retain_result(stream)
         self.metrics.terminal_events.labels(status.value).inc()
         if stream.streaming:
+            # The processor fixed the terminal event's id with the terminal state (0: after the last delta).
+            sequence = f.sequence or max(stream.next_sequence, stream.last_worker_sequence + 1)
             frame = stream.framer.terminal(
-                stream.generation_id, stream.next_sequence, status, code, f.partial, f.input_tokens, f.output_tokens
+                stream.generation_id, sequence, status, code, f.partial, f.input_tokens, f.output_tokens
             )
-            stream.next_sequence += 1
+            stream.next_sequence = sequence + 1
             self._push(stream, frame, bounded=False)
         stream.done.set()
         stream.wake.set()

@@ -247,6 +247,9 @@ class ReportAttemptFinished:
     # A conversation turn's worker spooled the answer (AnswerSpooled) before this report: the answer
     # commits once the history writer has stored it (CommitAnswer). False: nothing to wait for.
     answer_spooled: bool = False
+    # The sequence of the last text delta sent to the client (0: none): the terminal event's id is
+    # the next one, fixed with the terminal state (resumable streams, docs/edge.md).
+    last_sequence: Count = 0
     reply_to: ReplyTo | None = None
 
 

@@ -202,6 +202,10 @@ class GenerationCompleted(_EventBase):
     epoch: int
     finish_reason: FinishReason
     result_expires_at_ms: int
+    # The terminal event's sequence (its SSE id, after the last text delta): fixed here, with the
+    # terminal state, so every edge replays the same ids (issue 16). Added within version 1; 0 (the
+    # default, and a terminal no worker reported) means "after the last stored delta".
+    sequence: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,6 +214,7 @@ class GenerationCancelled(_EventBase):
     epoch: int  # 0 when no attempt was ever dispatched
     reason: CancelReason
     partial: bool
+    sequence: int = 0  # as GenerationCompleted.sequence
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -218,6 +223,7 @@ class GenerationFailed(_EventBase):
     epoch: int
     code: RejectionCode
     partial: bool
+    sequence: int = 0  # as GenerationCompleted.sequence
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

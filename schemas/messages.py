@@ -150,6 +150,8 @@ class GenerationFinalized:
     partial: bool
     input_tokens: int
     output_tokens: int
+    # The terminal event's sequence fixed by the processor (0: after the last delta, as the edge saw them).
+    sequence: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -146,6 +146,8 @@ CONVERSATIONS_BY_USER_TABLE = "conversations_by_user"
 MESSAGES_TABLE = "messages"
 TURN_INPUTS_TABLE = "turn_inputs"
 RESULTS_TABLE = "results_by_generation"
+# Every text delta of a generation, by sequence, for replay (projections/readmodel/replay.py).
+REPLAY_TABLE = "generation_events"
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,11 +119,23 @@ def build_result_sink(settings: WorkerSettings) -> ResultSink:
     )
 
 
+def build_replay_sink(settings: WorkerSettings) -> Any:
+    """Deltas stored for replay (workers/replay_sink.py) unless ``CHATPLANE_WORKER_RESULT_STORE=none``."""
+    from workers.replay_sink import CassandraReplaySink, NullReplaySink
+
+    if settings.result_store == "none":
+        return NullReplaySink()
+    from projections.readmodel.schema import ReadModelSettings
+
+    return CassandraReplaySink(ReadModelSettings())
+
+
 async def amain(engine_name: str | None) -> None:
     settings = WorkerSettings()
     model, weights = served_model(settings, engine_name)
     sink = build_result_sink(settings)
-    worker = Worker(settings, build_engine(model, weights), model, result_sink=sink)
+    replay = build_replay_sink(settings)
+    worker = Worker(settings, build_engine(model, weights), model, result_sink=sink, replay_sink=replay)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -143,9 +155,10 @@ async def amain(engine_name: str | None) -> None:
     finally:
         stopping.cancel()
         await worker.stop()
-        close = getattr(sink, "close", None)
-        if close is not None:
-            await close()
+        for closeable in (sink, replay):
+            close = getattr(closeable, "close", None)
+            if close is not None:
+                await close()
 
 
 def main() -> None:

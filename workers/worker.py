@@ -73,6 +73,7 @@ from workers.engines.base import (
 from workers.engines.base import FinishReason as EngineFinishReason
 from workers.settings import WorkerSettings
 from workers.prompts import PromptTopicReader
+from workers.replay_sink import NullReplaySink, ReplaySink
 from workers.work import WorkRates, held_work
 
 log = logging.getLogger("chatplane.workers")
@@ -318,11 +319,14 @@ class Worker:
         model: ServedModel,
         result_sink: ResultSink | None = None,
         on_trace: Callable[[AttemptTrace], None] | None = None,
+        replay_sink: ReplaySink | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.model = model
         self.result_sink: ResultSink = result_sink or NullResultSink()
+        # Deltas stored before they are sent, for replay from any edge (workers/replay_sink.py).
+        self.replay_sink: ReplaySink = replay_sink or NullReplaySink()
         self.on_trace = on_trace
         topo = settings.topology
         self.control = ReplyTo(topo.worker_control.name, worker_control_partition(settings.worker_id), "-")
@@ -789,6 +793,7 @@ class _Attempt:
         self.unsent: list[str] = []
         self.unsent_chars = 0
         self.sequence = 0
+        self.replay_stored = True  # every delta so far stored before it was sent (workers/replay_sink.py)
         self.send_futures: list[asyncio.Future[Any]] = []
         self.last_sent_at = 0.0
 
@@ -1074,6 +1079,9 @@ class _Attempt:
         self.unsent.clear()
         self.unsent_chars = 0
         delta = TextDelta(generation_id=self.d.generation_id, epoch=self.d.epoch, sequence=self.sequence, index=0, text=text)
+        if self.replay_stored:
+            # Write-ahead: stored before it is sent, so every delta a client saw can be replayed.
+            self.replay_stored = await self.worker.replay_sink.put(self.d.generation_id, self.d.epoch, self.sequence, text)
         stream_to = self.d.stream_to
         self.send_futures.append(
             await self.worker.producer.send(stream_to.topic, encode(delta), partition=stream_to.partition)
@@ -1174,7 +1182,7 @@ class _Attempt:
             self._command(
                 cmd.ReportAttemptFinished, outcome=outcome, input_tokens=inputs, output_tokens=tokens,
                 finish_reason=reason, error_code=code if outcome is FinishOutcome.FAILED else None,
-                answer_spooled=spooled,
+                answer_spooled=spooled, last_sequence=self.sequence,
             )
         )
         self._to(AttemptState.REPORTED)

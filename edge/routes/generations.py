@@ -13,6 +13,7 @@ tokens, burst bucket; only then is a command appended. The shape's bounds come f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 import uuid
@@ -20,7 +21,7 @@ from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -29,6 +30,7 @@ from edge.deps import CurrentPrincipal, IdempotencyKey
 from edge.errors import DRAINING_RETRY_AFTER_S, ApiError
 from edge.fingerprint import fingerprint
 from edge.history import PreparedTurn, prepare_turn
+from edge.replay import REPLAY_LOOKUP_WAIT_S, Replay, resume_point
 from edge.settings import EdgeSettings
 from edge import sse
 from edge.streams import GenerationStream, GenerationView, StreamHub
@@ -94,6 +96,9 @@ def request_model(messages_count_max: int, max_output_tokens_max: int) -> type[B
         conversation_id: str | None = Field(default=None, min_length=1, max_length=CONVERSATION_ID_CHARS_MAX)
         expected_revision: JsonInt | None = Field(default=None, ge=0, le=10_000_000)
         regenerate: bool = False
+        # Never cancelled by a disconnect or an edge's death (bounded by the maximum duration); the
+        # client follows it later with GET /v1/generations/{id}/events or GET /v1/generations/{id}.
+        background: bool = False
 
     return GenerationRequest
 
@@ -263,6 +268,11 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
     if isinstance(admitted, Outcome):
         return await _existing(edge, principal.user_id, admitted)
     headers = {"X-Request-Id": request.state.request_id}
+    if req.background and not req.stream:
+        # Accepted: the client follows it by id (its events, or GET). Nothing waits here.
+        edge.hub.release(admitted)
+        doc = {"id": admitted.generation_id, "status": RequestStatus.QUEUED.value, "background": True}
+        return JSONResponse(doc, status_code=202, headers={"Cache-Control": "no-store", **headers})
     if req.stream:
         return HeldStreamResponse(edge.hub, admitted, headers={**SSE_HEADERS, **headers})
     try:
@@ -342,7 +352,7 @@ async def admit(
         # before this edge gives up: a submit the processor reads later is refused holding nothing,
         # and the 503 below never charges the client.
         decide_by_ms=settings.decide_by_ms(issued_at_ms),
-        reader_id=edge.edge_id,
+        reader_id="" if getattr(req, "background", False) else edge.edge_id,
         reply_to=edge.client.reply_to(request_id),
         **_turn_command_fields(turn),
     )
@@ -516,12 +526,54 @@ async def get_generation(request: Request, principal: CurrentPrincipal, generati
     view, text = await edge.lookup_with_result(generation_id, principal.user_id)
     if view is None:
         raise ApiError(RejectionCode.NOT_FOUND)
+    if view.status is RequestStatus.RUNNING:
+        # The text so far, from the stored deltas (any edge), marked partial.
+        with contextlib.suppress(ApiError):
+            doc = _document(view, await edge.replay.text_so_far(generation_id))
+            doc["partial"] = True
+            return JSONResponse(doc, headers={"Cache-Control": "no-store"})
     if view.status is RequestStatus.COMPLETED and text is None:
         # The content is past its retention; the metadata outlives it and is served with the 410.
         doc = _document(view, None)
         extra = {"generation_id": generation_id, "status": doc["status"], "model_version": doc["model_version"], "usage": doc["usage"]}
         raise ApiError(RejectionCode.RESULT_UNAVAILABLE, extra=extra)
     return JSONResponse(_document(view, text), headers={"Cache-Control": "no-store"})
+
+
+@router.get(
+    "/{generation_id}/events",
+    summary="Replay a generation's events after Last-Event-ID (or ?after=N), then follow it live (any edge)",
+    responses={200: {"description": "text/event-stream of generation.* events, each with id: <sequence>",
+                     "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **_ERRORS},
+)
+async def generation_events(
+    request: Request,
+    principal: CurrentPrincipal,
+    generation_id: GenerationId,
+    after: Annotated[int | None, Query(ge=0, le=10_000_000)] = None,
+) -> Response:
+    edge = request.app.state.edge
+    start = resume_point(request.headers.get("last-event-id"), after)
+    view = await edge.lookup(generation_id, principal.user_id)
+    if view is None and await edge.replay.has_deltas(generation_id):
+        # Running, with text stored, but the read model has not shown it yet (it trails the ledger
+        # by a fraction of a second): a client reconnecting at once to another edge waits for it.
+        deadline = time.monotonic() + REPLAY_LOOKUP_WAIT_S
+        while view is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            view = await edge.lookup(generation_id, principal.user_id)
+    if view is None:
+        raise ApiError(RejectionCode.NOT_FOUND)
+    if view.status is RequestStatus.COMPLETED:
+        # Past the result TTL its deltas are gone with its text: 410, as GET answers.
+        expires = view.result_expires_at_ms
+        _, text = await edge.lookup_with_result(generation_id, principal.user_id)
+        if text is None or (expires is not None and expires <= _now_ms()):
+            raise ApiError(RejectionCode.RESULT_UNAVAILABLE, extra={"generation_id": generation_id})
+    await edge.replay.store()  # 503 now, not an empty stream, when the store cannot be reached
+    replay = Replay(edge, principal.user_id, view, start)
+    headers = {**SSE_HEADERS, "X-Request-Id": request.state.request_id}
+    return StreamingResponse(replay.frames(), media_type="text/event-stream", headers=headers)
 
 
 @router.post(

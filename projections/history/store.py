@@ -60,6 +60,7 @@ from projections.readmodel.schema import (
     keyspace_ddl,
     open_session,
     prepare,
+    replay_ddl,
     results_ddl,
 )
 from projections.shared.cassandra import execute
@@ -68,6 +69,7 @@ from schemas.topics import (
     CONVERSATIONS_BY_USER_TABLE,
     CONVERSATIONS_TABLE,
     MESSAGES_TABLE,
+    REPLAY_TABLE,
     RESULTS_TABLE,
     TURN_INPUTS_TABLE,
 )
@@ -196,6 +198,7 @@ def history_ddl(keyspace: str) -> list[str]:
         messages_ddl(keyspace),
         turn_inputs_ddl(keyspace),
         results_ddl(keyspace),
+        replay_ddl(keyspace),
     ]
 
 
@@ -258,6 +261,7 @@ class _Statements:
     msg_generation_ids: Any
     msg_delete_bucket: Any
     result_delete: Any
+    replay_delete: Any
 
 
 _CONVERSATION_COLUMNS = (
@@ -314,6 +318,7 @@ def _statement_cql(ks: str) -> dict[str, str]:
         "msg_generation_ids": f"SELECT generation_id FROM {msgs} WHERE conversation_id = ? AND bucket = ?",
         "msg_delete_bucket": f"DELETE FROM {msgs} WHERE conversation_id = ? AND bucket = ?",
         "result_delete": f"DELETE FROM {ks}.{RESULTS_TABLE} WHERE generation_id = ?",
+        "replay_delete": f"DELETE FROM {ks}.{REPLAY_TABLE} WHERE generation_id = ?",
     }
 
 
@@ -710,7 +715,11 @@ class HistoryStore:
             rows = await self._run("delete_conversation", st.msg_generation_ids, (conversation_id, bucket))
             in_bucket = dict.fromkeys(r.generation_id for r in rows if r.generation_id)
             fresh = [g for g in in_bucket if g not in found]
-            calls = [(st.result_delete, (g,)) for g in fresh] + [(st.turn_delete, (g,)) for g in fresh]
+            calls = (
+                [(st.result_delete, (g,)) for g in fresh]
+                + [(st.replay_delete, (g,)) for g in fresh]
+                + [(st.turn_delete, (g,)) for g in fresh]
+            )
             await self._run_all("delete_conversation", calls)
             found.update(dict.fromkeys(fresh))
             await self._run("delete_conversation", st.msg_delete_bucket, (conversation_id, bucket))

@@ -109,6 +109,7 @@ class GenerationView:
     revision: int
     result: ResultState
     result_text: str | None = None
+    terminal_sequence: int = 0  # the terminal event's SSE id (0: after the last stored delta)
 
     def require_result(self) -> str:
         """The retained text, or ``ResultUnavailable`` (completed, expired) / ``LookupError`` (not completed)."""
@@ -155,6 +156,7 @@ def _view(row: Any, stored: StoredResult | None, now_ms: int) -> GenerationView:
         revision=row.revision or 0,
         result=result,
         result_text=text,
+        terminal_sequence=getattr(row, "terminal_sequence", None) or 0,
     )
 
 

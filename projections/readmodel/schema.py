@@ -21,7 +21,7 @@ from typing import Any
 
 from projections.shared.cassandra import execute, named_tuple_rows
 from projections.shared.settings import SettingsError, comma_list, env_var, setting
-from schemas.topics import GENERATIONS_TABLE, KEYSPACE, RESULTS_TABLE
+from schemas.topics import GENERATIONS_TABLE, KEYSPACE, REPLAY_TABLE, RESULTS_TABLE
 
 CQL_PROTOCOL_VERSION = 5  # Cassandra 4.0+; skips the driver's downgrade round trips
 CONNECT_TIMEOUT_S = 30.0  # one attempt to reach a contact point and open a session
@@ -64,6 +64,7 @@ GENERATION_COLUMNS: dict[str, str] = {
     "finished_at_ms": "bigint",
     "updated_at_ms": "bigint",
     "result_expires_at_ms": "bigint",
+    "terminal_sequence": "int",  # the terminal event's SSE id (resumable streams; 0/absent: after the last delta)
     "ledger_partition": "int",
     "revision": "bigint",
 }
@@ -86,6 +87,32 @@ def results_ddl(keyspace: str) -> str:
         "    output_tokens int,\n    stored_at_ms bigint,\n    expires_at_ms bigint,\n"
         "    PRIMARY KEY ((generation_id), epoch)\n"
         ") WITH CLUSTERING ORDER BY (epoch DESC)\n"
+        "  AND gc_grace_seconds = 3600"
+    )
+
+
+ADDED_GENERATION_COLUMNS = {"terminal_sequence": "int"}
+
+
+async def _add_column(session: Any, keyspace: str, table: str, column: str, kind: str) -> None:
+    """``ALTER TABLE ... ADD`` unless the column exists (Cassandra has no ``ADD IF NOT EXISTS`` before 5.0)."""
+    from cassandra import InvalidRequest
+
+    try:
+        await execute(session, f"ALTER TABLE {keyspace}.{table} ADD {column} {kind}", timeout_s=DDL_TIMEOUT_S)
+    except InvalidRequest as exc:
+        if "conflicts with an existing column" not in str(exc) and "already exists" not in str(exc):
+            raise
+
+
+def replay_ddl(keyspace: str) -> str:
+    # One row per text delta, keyed by the worker's sequence (the SSE event id): a replay reads a
+    # range after the client's Last-Event-ID. Rows carry the result TTL (written USING TTL).
+    return (
+        f"CREATE TABLE IF NOT EXISTS {keyspace}.{REPLAY_TABLE} (\n"
+        "    generation_id text,\n    seq int,\n    epoch int,\n    text text,\n"
+        "    PRIMARY KEY ((generation_id), seq)\n"
+        ") WITH CLUSTERING ORDER BY (seq ASC)\n"
         "  AND gc_grace_seconds = 3600"
     )
 
@@ -174,7 +201,11 @@ async def ensure_schema(session: Any, settings: ReadModelSettings, *, create_key
     if create_keyspace:
         await execute(session, keyspace_ddl(settings.keyspace, settings.replication_factor), timeout_s=DDL_TIMEOUT_S)
     await execute(session, generations_ddl(settings.keyspace), timeout_s=DDL_TIMEOUT_S)
+    # Columns added after the table was first created (an existing keyspace keeps its table).
+    for column, kind in ADDED_GENERATION_COLUMNS.items():
+        await _add_column(session, settings.keyspace, GENERATIONS_TABLE, column, kind)
     await execute(session, results_ddl(settings.keyspace), timeout_s=DDL_TIMEOUT_S)
+    await execute(session, replay_ddl(settings.keyspace), timeout_s=DDL_TIMEOUT_S)
     # The conversation history's tables live in the same keyspace (projections/history/store.py).
     from projections.history.store import history_ddl
 

@@ -135,6 +135,7 @@ def _apply(cols: Columns, e: ev.Event) -> bool:
             result_expires_at_ms=e.result_expires_at_ms,
             finished_at_ms=e.occurred_at_ms,
             partial=False,
+            terminal_sequence=e.sequence,
         )
     elif isinstance(e, ev.GenerationCancelled):
         cols.update(
@@ -142,10 +143,12 @@ def _apply(cols: Columns, e: ev.Event) -> bool:
             cancel_reason=e.reason.value,
             partial=e.partial,
             finished_at_ms=e.occurred_at_ms,
+            terminal_sequence=e.sequence,
         )
     elif isinstance(e, ev.GenerationFailed):
         cols.update(
-            status=RequestStatus.FAILED.value, code=e.code.value, partial=e.partial, finished_at_ms=e.occurred_at_ms
+            status=RequestStatus.FAILED.value, code=e.code.value, partial=e.partial, finished_at_ms=e.occurred_at_ms,
+            terminal_sequence=e.sequence,
         )
     elif isinstance(e, ev.GenerationReturnedToAdmission):
         cols.update(status=RequestStatus.ADMISSION_RETRYABLE.value, code=e.code.value)

@@ -546,7 +546,8 @@ def test_fingerprint_ignores_stream_and_normalizes_unicode():
 
 def test_sse_frames_are_one_json_line_each():
     f = sse.delta("g", 3, 0, "line1\nline2 \u00e9\u4e16")
-    assert f.startswith(b"event: generation.text.delta\ndata: ") and f.endswith(b"\n\n") and f.count(b"\n") == 3
+    # The id line first (the resume point of Last-Event-ID), then the event and its one data line.
+    assert f.startswith(b"id: 3\nevent: generation.text.delta\ndata: ") and f.endswith(b"\n\n") and f.count(b"\n") == 4
     assert json.loads(f.split(b"data: ")[1]) == {"generation_id": "g", "sequence": 3, "index": 0, "delta": "line1\nline2 \u00e9\u4e16"}
     err = sse.terminal("g", 4, RequestStatus.FAILED, RejectionCode.GENERATION_TIMEOUT, True, 1, 2)
     assert b"generation.error" in err and b'"action":"manual_regenerate"' in err and b'"partial":true' in err
@@ -620,7 +621,8 @@ def delta(seq, text="x", gid="g1", epoch=1):
 
 
 def frames_of(stream):
-    return [f.split(b"\n")[0].decode() for f in stream.buffer]
+    """Each buffered frame's event line (the id line, first, is checked by the tests of ids)."""
+    return [next(line for line in f.decode().split("\n") if line.startswith("event: ")) for f in stream.buffer]
 
 
 async def test_hub_drops_stale_epoch_and_duplicate_deltas_and_ends_only_on_finalized():
@@ -637,7 +639,7 @@ async def test_hub_drops_stale_epoch_and_duplicate_deltas_and_ends_only_on_final
     hub.on_message(finalized(epoch=2))
     hub.on_message(finalized(epoch=2))  # once
     assert frames_of(s)[-1] == "event: generation.completed" and s.done.is_set()
-    assert sum(f.startswith(b"event: generation.completed") for f in s.buffer) == 1
+    assert sum(b"event: generation.completed" in f for f in s.buffer) == 1
     assert hub.result_of("g1") == "b"
 
 
@@ -690,7 +692,7 @@ async def test_hub_heartbeats_while_idle_and_releases_on_disconnect():
     hub = make_hub(heartbeat_interval_s=0.01, disconnect_grace_s=0.01, generation_wait_s_max=0.5)
     s = held(hub)
     it = hub.frames(s)
-    assert (await it.__anext__()).startswith(b"event: generation.created")
+    assert (await it.__anext__()).startswith(b"id: 0\nevent: generation.created")
     assert await it.__anext__() == sse.HEARTBEAT
     await it.aclose()  # the client went away
     assert s.reader_gone

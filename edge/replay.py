@@ -1,0 +1,234 @@
+"""Resumable streams: ``GET /v1/generations/{id}/events`` replays a generation from durable state, on any
+edge replica, then follows it live to its terminal event (issue 16; docs/edge.md, "Resumable streams").
+
+Data flow::
+
+    worker --delta, stored BEFORE it is sent--> generation_events (projections/readmodel/replay.py)
+    processor --terminal state + its sequence--> ledger --> generations_by_id.terminal_sequence
+    client --GET .../events, Last-Event-ID: N--> any edge:
+        reader task: generation_events after N (pages of REPLAY_PAGE), then polled every
+                     REPLAY_POLL_S with the read model's status, until the terminal state
+        -> bounded buffer (the stream buffer's byte ceiling) -> the SSE response (id: <sequence>)
+
+Ids and the seam: a delta's id is the worker's sequence (also the live stream's id), and the
+terminal event's id is the one the processor fixed with the terminal state, so every replica
+replays the same ids. Deltas are stored before they are sent, so the store holds every delta a
+client was sent: a client that reconnects with the last id it saw gets every later event once, in
+order. A reader that does not keep up (its buffer passes ``stream_buffer_bytes_max``) is cut off
+(EOF, counted); the generation goes on, and the client can resume from its last id.
+
+Readers: opening the stream attaches this edge as the generation's reader (withdrawing a pending
+cancel of a detached generation, within the disconnect grace), and closing it detaches it, exactly
+like a live stream; a ``background`` generation has no reader and is never cancelled by either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from edge import sse
+from edge.errors import ApiError
+from schemas.codes import CancelReason, RejectionCode, RequestStatus
+from schemas.commands import AttachReader, DetachReader
+
+log = logging.getLogger("chatplane.edge.replay")
+
+REPLAY_PAGE = 256  # deltas read per store call
+REPLAY_POLL_S = 0.1  # how often a follower reads the store and the read model for what is new
+REPLAY_LOOKUP_WAIT_S = 2.0  # a generation with stored deltas the read model does not show yet is waited for
+REPLAY_DRAIN_WAIT_S = 2.0  # a full buffer not taken by the socket within this: the reader is cut off
+REPLAY_REOPEN_INTERVAL_S = 5.0
+REPLAY_OPEN_TIMEOUT_S = 10.0
+_TERMINAL = (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED, RequestStatus.REJECTED)
+
+
+class ReplayAccess:
+    """The edge's ``ReplayStore``, opened on first use; failures are the read model's 503."""
+
+    def __init__(self) -> None:
+        self._store: Any = None
+        self._opened_at_s = -REPLAY_REOPEN_INTERVAL_S
+        self._lock = asyncio.Lock()
+
+    async def store(self) -> Any:
+        if self._store is not None:
+            return self._store
+        async with self._lock:
+            if self._store is None and time.monotonic() - self._opened_at_s >= REPLAY_REOPEN_INTERVAL_S:
+                self._opened_at_s = time.monotonic()
+                try:
+                    from projections.readmodel.replay import ReplayStore
+
+                    async with asyncio.timeout(REPLAY_OPEN_TIMEOUT_S):
+                        self._store = await ReplayStore.open()
+                except Exception as exc:  # noqa: BLE001 - unavailable, retried later
+                    log.warning("replay store unavailable: %s", type(exc).__name__)
+        if self._store is None:
+            raise ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE, retry_after_s=2)
+        return self._store
+
+    async def has_deltas(self, generation_id: str) -> bool:
+        store = await self.store()
+        return bool(await store.read_after(generation_id, 0, 1))
+
+    async def text_so_far(self, generation_id: str) -> str:
+        """The stored text of a running generation (GET shows it with ``partial: true``)."""
+        store = await self.store()
+        parts: list[str] = []
+        after = 0
+        while True:
+            rows = await store.read_after(generation_id, after, REPLAY_PAGE)
+            parts.extend(r.text for r in rows)
+            if len(rows) < REPLAY_PAGE:
+                return "".join(parts)
+            after = rows[-1].seq
+
+    async def close(self) -> None:
+        if self._store is not None:
+            await self._store.close()
+            self._store = None
+
+
+def resume_point(last_event_id: str | None, after: int | None) -> int:
+    """The sequence to replay after: ``?after=`` or ``Last-Event-ID``; -1 (from the start, the created
+    event included) when neither is given."""
+    if after is not None:
+        return after
+    if last_event_id is None or last_event_id == "":
+        return -1
+    if not last_event_id.isdigit() or len(last_event_id) > 9:
+        raise ApiError(RejectionCode.INVALID_REQUEST, field="Last-Event-ID")
+    return int(last_event_id)
+
+
+class Replay:
+    """One events response: a reader task fills a bounded buffer, ``frames`` writes it out."""
+
+    def __init__(self, edge: Any, user_id: str, view: Any, after: int) -> None:
+        self.edge, self.user_id, self.view, self.after = edge, user_id, view, after
+        self.settings = edge.settings
+        self.buffer: deque[bytes] = deque()
+        self.buffered = 0
+        self.cut_off = False
+        self.finished = False
+        self.wake = asyncio.Event()
+        self.drained = asyncio.Event()
+
+    async def _push(self, frame: bytes) -> bool:
+        """Buffer one frame; at the ceiling wait (``REPLAY_DRAIN_WAIT_S``) for the socket to take the
+        buffer, and cut the reader off if it does not: a replay reads the store far faster than any
+        socket, so the ceiling alone would cut off fast readers too."""
+        if self.buffered + len(frame) > self.settings.stream_buffer_bytes_max:
+            self.drained.clear()
+            try:
+                async with asyncio.timeout(REPLAY_DRAIN_WAIT_S):
+                    while self.buffered + len(frame) > self.settings.stream_buffer_bytes_max:
+                        await self.drained.wait()
+                        self.drained.clear()
+            except TimeoutError:
+                self.cut_off = True
+                self.edge.metrics.slow_consumer_cancels.labels("replay_bytes").inc()
+                self.wake.set()
+                return False
+        self.buffer.append(frame)
+        self.buffered += len(frame)
+        self.wake.set()
+        return True
+
+    async def _read(self) -> None:
+        """Store, then read model, polled until the terminal state is committed and written out."""
+        edge, gid = self.edge, self.view.generation_id
+        store = await edge.replay.store()
+        last = self.after
+        if last < 0:
+            if not await self._push(sse.created(gid, RequestStatus.QUEUED.value)):
+                return
+            last = 0
+        view = self.view
+        while True:
+            terminal = view.status in _TERMINAL
+            final = (view.terminal_sequence or 0) if terminal else 0
+            while True:
+                rows = await store.read_after(gid, last, REPLAY_PAGE)
+                for r in rows:
+                    if final and r.seq >= final:
+                        break
+                    if not await self._push(sse.delta(gid, r.seq, 0, r.text)):
+                        return
+                    last = r.seq
+                if len(rows) < REPLAY_PAGE:
+                    break
+            if terminal:
+                status, code = view.status, view.code
+                if status is RequestStatus.REJECTED:
+                    status = RequestStatus.FAILED
+                frame = sse.terminal(
+                    gid, final or last + 1, status, code, view.partial, view.input_tokens, view.output_tokens
+                )
+                if not await self._push(frame):
+                    return
+                self.finished = True
+                self.wake.set()
+                return
+            await asyncio.sleep(REPLAY_POLL_S)
+            fresh = await edge.lookup(gid, self.user_id)
+            if fresh is not None:
+                view = fresh
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        edge = self.edge
+        reader = asyncio.create_task(self._read())
+        attached = self.view.status.active
+        if attached:
+            edge.hub._background(edge.client.send(self._reader_command(AttachReader)))
+        deadline = time.monotonic() + self.settings.generation_wait_s_max
+        try:
+            while True:
+                if self.buffer:
+                    batch = b"".join(self.buffer)
+                    self.buffer.clear()
+                    yield batch  # blocks while the socket does not take it (a slow reader)
+                    self.buffered -= len(batch)
+                    self.drained.set()
+                if self.cut_off or (self.finished and not self.buffer):
+                    return
+                if self.buffer:
+                    continue  # pushed while the last batch was being written
+                if reader.done():
+                    exc = reader.exception()
+                    if exc is not None:
+                        log.warning("replay of %s ended: %s", self.view.generation_id, type(exc).__name__)
+                    return  # EOF: interrupted; the client resumes from its last id
+                self.wake.clear()
+                if time.monotonic() >= deadline:
+                    return
+                try:
+                    async with asyncio.timeout(self.settings.heartbeat_interval_s):
+                        await self.wake.wait()
+                except TimeoutError:
+                    yield sse.HEARTBEAT
+        finally:
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+            if attached and not self.finished:
+                edge.hub._background(edge.client.send(self._reader_command(DetachReader)))
+
+    def _reader_command(self, cls: type) -> Any:
+        fields: dict[str, Any] = dict(
+            command_id=uuid.uuid4().hex,
+            user_id=self.user_id,
+            issued_at_ms=int(time.time() * 1000),
+            generation_id=self.view.generation_id,
+            reader_id=self.edge.edge_id,
+        )
+        if cls is DetachReader:
+            fields.update(grace_ms=int(self.settings.disconnect_grace_s * 1000), reason=CancelReason.CLIENT_DISCONNECT)
+        return cls(**fields)
