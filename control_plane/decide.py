@@ -826,7 +826,7 @@ def _report(state: UserLedger, c: ReportAttemptFinished, policy: Policy, out: _E
                 epoch=c.epoch,
                 finish_reason=c.finish_reason,
                 result_expires_at_ms=c.issued_at_ms + policy.result_ttl_ms,
-                sequence=c.last_sequence + 1,
+                sequence=_terminal_sequence(c),
             )
             status = RequestStatus.COMPLETED
         elif c.outcome is FinishOutcome.STOPPED and attempt.cancel_reason is not None:
@@ -836,14 +836,14 @@ def _report(state: UserLedger, c: ReportAttemptFinished, policy: Policy, out: _E
                 epoch=c.epoch,
                 reason=attempt.cancel_reason,
                 partial=partial,
-                sequence=c.last_sequence + 1,
+                sequence=_terminal_sequence(c),
             )
             status = RequestStatus.CANCELLED
         else:
             # A failure, or a stop nobody asked for: the worker could not finish the generation.
             code = c.error_code if c.error_code in _FAILURE_CODES else RejectionCode.MODEL_BACKEND_ERROR
             out.emit(
-                ev.GenerationFailed, record.generation_id, epoch=c.epoch, code=code, partial=partial, sequence=c.last_sequence + 1
+                ev.GenerationFailed, record.generation_id, epoch=c.epoch, code=code, partial=partial, sequence=_terminal_sequence(c)
             )
             status = RequestStatus.FAILED
         _end_turn(state, record, out, status, spooled=c.answer_spooled)
@@ -852,6 +852,12 @@ def _report(state: UserLedger, c: ReportAttemptFinished, policy: Policy, out: _E
         # The finalization was committed before and its acknowledgement lost: a repeat is a no-op.
         return out.decision(OutcomeKind.EXISTING, record, status=record.status, code=record.code)
     return _ignore(out, record, c, _stale_reason(record, c.epoch))
+
+
+def _terminal_sequence(c: ReportAttemptFinished) -> int:
+    """The terminal event's id: after the last delta the worker sent; 0 ("after the last delta the
+    reader saw") when it names none (no delta, or a worker from before the field existed)."""
+    return c.last_sequence + 1 if c.last_sequence else 0
 
 
 def _record_usage(

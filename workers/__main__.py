@@ -120,10 +120,11 @@ def build_result_sink(settings: WorkerSettings) -> ResultSink:
 
 
 def build_replay_sink(settings: WorkerSettings) -> Any:
-    """Deltas stored for replay (workers/replay_sink.py) unless ``CHATPLANE_WORKER_RESULT_STORE=none``."""
+    """Deltas stored for replay (workers/replay_sink.py) unless ``CHATPLANE_WORKER_REPLAY_STORE`` or
+    ``CHATPLANE_WORKER_RESULT_STORE`` is ``none``."""
     from workers.replay_sink import CassandraReplaySink, NullReplaySink
 
-    if settings.result_store == "none":
+    if settings.result_store == "none" or settings.replay_store == "none":
         return NullReplaySink()
     from projections.readmodel.schema import ReadModelSettings
 

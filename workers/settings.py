@@ -76,6 +76,9 @@ class WorkerSettings:
     # Where the final text goes before completion is reported (workers.result_sink): "cassandra" for
     # python -m workers, "none" to keep nothing (then every same-key retry answers result_unavailable).
     result_store: str = setting("CHATPLANE_WORKER_RESULT_STORE", "cassandra", choices=RESULT_STORES)
+    # Deltas stored before they are sent, for resumable streams (workers/replay_sink.py); "none" turns
+    # replay off (measuring what it costs: bench/bench_replay.py). Off too when the result store is.
+    replay_store: str = setting("CHATPLANE_WORKER_REPLAY_STORE", "cassandra", choices=RESULT_STORES)
     # One put's bounds: attempts, pause between them, and the whole budget (lazy open included); it stays
     # under lease_ms (10 s) minus renew_interval_s, since the lease is no longer renewed during the put.
     result_put_attempts_max: int = setting("CHATPLANE_WORKER_RESULT_PUT_ATTEMPTS_MAX", 3, ge=1)

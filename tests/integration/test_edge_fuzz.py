@@ -97,6 +97,12 @@ def fuzz(url: str, headers: dict[str, str]) -> dict[str, set[int]]:
                     # Half of the valid bodies name a model of the catalog and end with a user turn,
                     # so the fuzz reaches admission, streaming and the result buffer too.
                     case.body["model"] = "simulated-text-model"
+                    if op.path == "/v1/generations":
+                        # Stateless: conversation turns need the history store, which this edge has not.
+                        for name in ("conversation_id", "expected_revision", "regenerate"):
+                            case.body.pop(name, None)
+                        if not case.body.get("messages"):
+                            case.body["messages"] = [{"role": "user", "content": "hello"}]
                     if case.body.get("messages"):
                         case.body["messages"][-1]["role"] = "user"
                     if op.path == "/v1/chat/completions":

@@ -159,7 +159,8 @@ class FakeSimWorker:
                 await self._report(d, FinishOutcome.FAILED, sent, error_code=self.fail_code)
                 return
             await asyncio.sleep(self.token_interval_s)
-            delta = TextDelta(generation_id=d.generation_id, epoch=d.epoch, sequence=i, index=0, text=text)
+            # Sequences 1, 2, ... as the real worker's (0 is the created event's id).
+            delta = TextDelta(generation_id=d.generation_id, epoch=d.epoch, sequence=i + 1, index=0, text=text)
             await self.producer.send_and_wait(d.stream_to.topic, encode(delta), partition=d.stream_to.partition)
             sent += 1
             if (i + 1) % self.renew_every_tokens == 0:
@@ -176,7 +177,7 @@ class FakeSimWorker:
         await self.client.decide(
             self._cmd(
                 cmd.ReportAttemptFinished, d, outcome=outcome, input_tokens=d.input_tokens, output_tokens=output_tokens,
-                error_code=error_code,
+                error_code=error_code, last_sequence=output_tokens,
             )
         )
 
