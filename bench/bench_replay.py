@@ -65,7 +65,6 @@ def body(tokens: int, stream: bool = True) -> dict:
 
 async def reconnect_once(stack: Stack, h1: httpx.AsyncClient, h2: httpx.AsyncClient, tokens: int) -> dict:
     user = f"r-{uuid.uuid4().hex[:10]}"
-    headers = headers(stack, user, uuid.uuid4().hex)
     t0 = time.monotonic()
     first_delta = None
     seen = ""
