@@ -11,6 +11,8 @@ seed's typed body (a known code with its table's status, ``retryable``, ``action
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -78,25 +80,32 @@ def check(response: object, label: str) -> None:
     assert status < 500 or typed_503, (label, status, response.text[:300])
 
 
-def fuzz(url: str, headers: dict[str, str]) -> dict[str, set[int]]:
+def fuzz(url: str, headers_for: Callable[[str], dict[str, str]]) -> dict[str, set[int]]:
     doc = httpx.get(f"{url}/openapi.json").json()
     schema = schemathesis.openapi.from_dict(doc)
     statuses: dict[str, set[int]] = {}
+    admitted: dict[str, int] = {}
     for result in schema.get_all_operations():
         op = result.ok()
+        # A user per operation: one operation's admissions never spend another's message quota.
+        headers = headers_for(f"fuzzer-{op.method.lower()}-{op.path}")
         raw = doc["paths"][op.path][op.method.lower()]
         # Negative data needs an input to break; the operational GETs have none.
         modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if raw.get("parameters") or raw.get("requestBody") else [])
         for mode in modes:
 
             @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
-            @given(case=op.as_strategy(generation_mode=mode), authenticated=st.booleans(), steer=st.booleans())
+            @given(case=op.as_strategy(generation_mode=mode), authenticated=st.integers(0, 3), steer=st.integers(0, 3))
             def run(case, authenticated, steer):
                 auth = headers if authenticated else {}
                 if steer and mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
-                    # Half of the valid bodies name a model of the catalog and end with a user turn,
-                    # so the fuzz reaches admission, streaming and the result buffer too.
+                    # Most valid bodies name a model of the catalog and end with a user turn, so the
+                    # fuzz reaches admission, streaming and the result buffer too. Each gets a key of
+                    # its own: generated keys repeat, and a repeat with other content is a typed 409.
                     case.body["model"] = "simulated-text-model"
+                    if case.headers and any(k.lower() == "idempotency-key" for k in case.headers):
+                        case.headers = {k: v for k, v in case.headers.items() if k.lower() != "idempotency-key"}
+                        case.headers["Idempotency-Key"] = f"fuzz-{uuid.uuid4().hex}"
                     if op.path == "/v1/generations":
                         # Stateless: conversation turns need the history store, which this edge has not.
                         for name in ("conversation_id", "expected_revision", "regenerate"):
@@ -107,16 +116,23 @@ def fuzz(url: str, headers: dict[str, str]) -> dict[str, set[int]]:
                         case.body["messages"][-1]["role"] = "user"
                     if op.path == "/v1/chat/completions":
                         # Only user/assistant turns are served; the default budget is valid.
+                        # An empty message is refused (typed 400); steered ones say something.
                         for m in case.body.get("messages") or []:
                             if isinstance(m, dict):
                                 m["role"] = "user"
+                                parts = m.get("content")
+                                if not parts or (isinstance(parts, list) and not all(p.get("text") for p in parts if isinstance(p, dict))):
+                                    m["content"] = "hello"
                         case.body.pop("max_tokens", None)
                         case.body.pop("max_completion_tokens", None)
                 response = case.call(base_url=url, headers=auth, timeout=30)
                 statuses.setdefault(op.label, set()).add(response.status_code)
+                if response.status_code == 200 and auth:
+                    admitted[op.label] = admitted.get(op.label, 0) + 1
                 check(response, f"{op.label} {mode.value}")
 
             run()
+    print("admitted (200) by operation:", admitted)
     return statuses
 
 
@@ -130,7 +146,7 @@ async def test_fuzz_from_openapi_no_5xx_and_every_error_typed(kafka_bootstrap, t
             while (await http.get("/healthz/admission")).status_code != 200:
                 assert asyncio.get_running_loop().time() < deadline, "admission did not come up"
                 await asyncio.sleep(0.1)
-        statuses = await asyncio.to_thread(fuzz, edge.url, edge.headers("fuzzer"))
+        statuses = await asyncio.to_thread(fuzz, edge.url, edge.headers)
         async with edge.http() as http:
             assert (await http.get("/healthz")).status_code == 200
             metrics = (await http.get("/metrics")).text
