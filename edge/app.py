@@ -38,7 +38,7 @@ from edge.ratelimit import TokenBuckets
 from edge.history import History
 from edge.readmodel import ReadModel
 from edge.replay import ReplayAccess
-from edge.routes import conversations, generations, openai, usage
+from edge.routes import conversations, generations, openai, ui, usage
 from edge.settings import EdgeSettings
 from edge.shedding import LoadShedder
 from edge.streams import GenerationView, StreamHub
@@ -249,6 +249,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(usage.router)
     app.include_router(conversations.router)
+    ui.install(app, edge.settings.dev_mode)
     app.add_exception_handler(errors.ApiError, errors.api_error_handler)
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)

@@ -41,6 +41,13 @@ class EdgeMetrics:
             "chatplane_edge_time_to_first_text_token_seconds", "POST received -> first text delta forwarded.",
             buckets=_LATENCY_BUCKETS_S, registry=r,
         )
+        # Reported by the web page (POST /v1/client-metrics): Enter -> first token rendered, as the
+        # person saw it, beside the server-side figure above (seed: tracked separately).
+        self.client_first_token = Histogram(
+            "chatplane_edge_client_first_token_seconds",
+            "Client-observed time from send to first rendered token (web page beacon; content-free).",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
         self.queue_age = Histogram(
             "chatplane_edge_queue_age_seconds", "Admission -> first text delta (queueing plus prefill).",
             buckets=_LATENCY_BUCKETS_S, registry=r,
