@@ -10,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 EDGE_PORT := $(or $(CHATPLANE_EDGE_PORT),8080)
 
-.PHONY: up down test venv jars cpu-runtime status clean-data
+.PHONY: up down test venv jars cpu-runtime browser status clean-data
 
 STAMP := $(VENV)/.chatplane-installed
 
@@ -41,6 +41,10 @@ cpu-runtime: venv
 
 jars:
 	@infra/fetch
+
+# Debian's chromium and chromium-driver for the web page's tests (installed once, when missing).
+browser:
+	@infra/browser-install
 
 # `make up` is a development stack: its components may use the edge's built-in development secrets
 # (CHATPLANE_DEV_MODE, docs/edge.md "Authentication"); a value already in the environment is kept.
@@ -79,7 +83,7 @@ down:
 # The README's test command. Servers are started (and stopped again) by tests/conftest.py; the cpu
 # runtime is installed so the real-model tests run too. pytest's exit code 5 (no tests collected) is
 # reported and fails like any other.
-test: venv jars cpu-runtime
+test: venv jars cpu-runtime browser
 	@rc=0; $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5): failing"; fi; \
 	exit $$rc

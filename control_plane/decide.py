@@ -180,7 +180,7 @@ def _resubmit(state: UserLedger, record: RequestRecord, c: SubmitGeneration, pol
         return out.reject(RejectionCode.IDEMPOTENCY_CONFLICT)
     status = record.status
     if status.active:
-        return out.reject(RejectionCode.GENERATION_IN_PROGRESS, record)
+        return out.reject(RejectionCode.GENERATION_IN_PROGRESS, record, same_request=True)
     if status is RequestStatus.COMPLETED:
         if c.issued_at_ms < record.result_expires_at_ms:
             return out.decision(

@@ -87,6 +87,10 @@ class Outcome:
     # revision its user message committed at; for a create or delete, the committed revision).
     conversation_id: str | None = None
     revision: int | None = None
+    # generation_in_progress: True when the running generation is this idempotency key's own (a
+    # retry of the same request; follow it), False when it is another request's (a conversation's
+    # other turn, e.g. from another tab).
+    same_request: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -389,7 +389,10 @@ async def admit(
         assert outcome.code is not None
         extra = None
         if outcome.code is RejectionCode.GENERATION_IN_PROGRESS:
-            extra = {"generation_id": outcome.generation_id, "status": outcome.status.value if outcome.status else None}
+            extra = {
+                "generation_id": outcome.generation_id, "status": outcome.status.value if outcome.status else None,
+                "same_request": outcome.same_request,
+            }
             if outcome.conversation_id:
                 extra["conversation_id"] = outcome.conversation_id
         if outcome.code is RejectionCode.RESULT_UNAVAILABLE:

@@ -63,6 +63,10 @@ class Refusal extends Error {
     this.details = err.details || {};
     this.retryable = Boolean(err.retryable);
     this.retryAfterS = retryAfterS;
+    // Codes about an existing generation name it beside the details (docs/edge.md, "Errors").
+    this.generationId = err.generation_id || this.details.generation_id || null;
+    // generation_in_progress: whether the running generation is this key's own (a retry's answer).
+    this.sameRequest = err.same_request === true;
   }
 }
 
@@ -515,9 +519,10 @@ async function submit(run, { userTurn, text }) {
       return;
     }
     const r = await refusalOf(resp);
-    if (r.code === "generation_in_progress" && r.details.generation_id && (noResponse > 0 || run.retried)) {
-      // Our own earlier send reached the server after all: follow that generation.
-      run.generationId = r.details.generation_id;
+    if (r.code === "generation_in_progress" && r.generationId && r.sameRequest) {
+      // Our own earlier send reached the server after all (the browser itself may have sent it again
+      // on a fresh connection, unseen by this script): follow that generation.
+      run.generationId = r.generationId;
       turn.generationId = run.generationId;
       turn.el.dataset.generationId = run.generationId;
       await follow(run);
@@ -587,7 +592,7 @@ function applyDocument(run, doc) {
   run.generationId = doc.id;
   turn.generationId = doc.id;
   turn.el.dataset.generationId = doc.id;
-  turn.text = doc.output_text || doc.partial || "";
+  turn.text = (doc.output || []).map((o) => o.text || "").join("");
   paint(turn);
   finish(run, doc.status === "completed" ? "completed" : doc.status === "cancelled" ? "stopped" : "error");
 }

@@ -69,8 +69,15 @@ class FakeByteEdge:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._cancel_connections(), self.loop).result(timeout=5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
+
+    async def _cancel_connections(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
