@@ -393,6 +393,7 @@ function contextFor(upTo) {
 
 async function send(text) {
   if (state.active || !text.trim()) return;
+  const t0 = performance.now(); // Enter: the first-token time is what the person waits from here
   notice("");
   const model = $("model").value;
   localStorage.setItem("chatplane.model", model);
@@ -428,7 +429,7 @@ async function send(text) {
   } else {
     body.messages = contextFor(answer);
   }
-  await generate(answer, body, { userTurn, text });
+  await generate(answer, body, { userTurn, text, t0 });
 }
 
 function regenerate(turn) {
@@ -456,9 +457,9 @@ function undoTurn(userTurn, answer, text, message) {
   notice(message);
 }
 
-async function generate(turn, body, { userTurn, text }) {
+async function generate(turn, body, { userTurn, text, t0 }) {
   const run = {
-    turn, body, key: newKey(), generationId: null, t0: performance.now(), firstTokenAt: null, terminal: null,
+    turn, body, key: newKey(), generationId: null, t0: t0 === undefined ? performance.now() : t0, firstTokenAt: null, terminal: null,
     stopWanted: false, controller: new AbortController(),
   };
   turn.key = run.key;

@@ -346,3 +346,48 @@ async def test_cors_a_page_on_an_allowed_origin_streams_an_answer_and_another_or
             await asyncio.to_thread(scenario)
         finally:
             worker.stop()
+
+
+async def test_two_tabs_sending_at_once_the_late_one_gets_the_conflict_reloads_and_keeps_its_text(stack):
+    edge = stack
+
+    def scenario() -> None:
+        with chromium() as driver:
+            sign_in_dev(driver, edge.url, "frank")
+            choose_model(driver)
+            send(driver, "First question.")
+            wait_status(driver, "completed")
+            tab_a = driver.current_window_handle
+            # Tab B opens the same conversation at the same revision.
+            driver.switch_to.new_window("tab")
+            sign_in_dev(driver, edge.url, "frank")  # a token is kept per tab (sessionStorage)
+            wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, "#conversations li a"), "tab B has no sidebar")
+            choose_model(driver)
+            driver.find_element(By.CSS_SELECTOR, "#conversations li a").click()
+            wait_for(lambda: len(driver.find_elements(By.CSS_SELECTOR, "#messages .msg")) == 2, "tab B did not load the history")
+            tab_b = driver.current_window_handle
+            # Tab A sends first; tab B, still at the old revision, sends right after.
+            driver.switch_to.window(tab_a)
+            send(driver, "From tab A.")
+            wait_for(lambda: answer_text(driver), "tab A's answer did not start")
+            driver.switch_to.window(tab_b)
+            send(driver, "From tab B.")
+            notice = wait_for(lambda: (n := driver.find_element(By.ID, "notice")).is_displayed() and n.text, "no notice in tab B")
+            assert "changed in another tab" in notice, notice
+            # Tab B's text is back in the box, unsent.
+            assert driver.find_element(By.ID, "prompt").get_attribute("value") == "From tab B."
+            assert "From tab B." not in [m.text for m in driver.find_elements(By.CSS_SELECTOR, "#messages .msg.user")]
+            # Once tab A's answer is committed, tab B reloads the conversation, sees it, and sends again.
+            driver.switch_to.window(tab_a)
+            wait_status(driver, "completed")
+            driver.switch_to.window(tab_b)
+            driver.find_element(By.CSS_SELECTOR, "#conversations li a").click()
+            wait_for(lambda: "From tab A." in [m.text for m in driver.find_elements(By.CSS_SELECTOR, "#messages .msg.user")],
+                     "tab B does not show tab A's turn")
+            driver.find_element(By.ID, "prompt").send_keys(Keys.ENTER)
+            wait_status(driver, "completed")
+            users = [m.text for m in driver.find_elements(By.CSS_SELECTOR, "#messages .msg.user")]
+            assert users == ["First question.", "From tab A.", "From tab B."], users
+            screenshot(driver, "page-two-tabs-conflict")
+
+    await asyncio.to_thread(scenario)
