@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 import time
@@ -63,7 +64,13 @@ def page_turns(url: str, user: str, turns: int) -> list[float]:
                 a = driver.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")
                 return len(a) > before and a[-1].get_attribute("data-status") in ("completed", "error", "refused", "incomplete") and a[-1]
 
-            answer = wait_for(done, "a turn did not end", timeout_s=60)
+            from tests.browser.chromium import console
+
+            def why() -> str:
+                a = driver.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")
+                return f"a turn did not end: {[(x.get_attribute('data-status'), x.text[:80]) for x in a]} {console(driver)}"
+
+            answer = wait_for(done, why, timeout_s=60)
             ms = answer.get_attribute("data-first-token-ms")
             wait_for(lambda: driver.find_element(By.ID, "send").is_displayed(), "the page stayed busy")
             if i > 0 and ms:  # the first turn creates the conversation: a warm-up, not counted
@@ -92,11 +99,15 @@ async def raw_turns(stack: Stack, url: str, turns: int) -> list[float]:
                     "expected_revision": revision, "messages": [{"role": "user", "content": f"Say something, {i}."}]}
             t0 = time.monotonic()
             first = None
+            text = ""
             async with http.stream("POST", "/v1/generations", json=body, headers={**auth, "Idempotency-Key": uuid.uuid4().hex}) as r:
                 async for chunk in r.aiter_text():
                     if first is None and "generation.text.delta" in chunk:
                         first = (time.monotonic() - t0) * 1000
-            revision = (await http.get(f"/v1/conversations/{conv['id']}", headers=auth)).json()["revision"]
+                    text += chunk
+            # The user turn committed at created.revision; its answer at the next (the store can lag).
+            created = next(json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and '"revision"' in line)
+            revision = created["revision"] + 1
             if i > 0 and first is not None:
                 out.append(first)
             raw_done.append(1)

@@ -480,7 +480,8 @@ async function afterTurn() {
   if (state.history && state.conversation) {
     try {
       const c = await json("GET", `/v1/conversations/${encodeURIComponent(state.conversation.id)}`);
-      state.conversation.revision = c.revision;
+      // The store's row can lag the ledger: never step back.
+      state.conversation.revision = Math.max(state.conversation.revision, c.revision);
     } catch {
       // the next send learns the revision from a conflict, if it changed
     }
@@ -611,7 +612,10 @@ function onEvent(run, ev) {
       run.generationId = d.generation_id;
       turn.generationId = d.generation_id;
       turn.el.dataset.generationId = d.generation_id;
-      if (state.conversation && d.revision !== undefined) state.conversation.revision = d.revision;
+      if (state.conversation && d.revision !== undefined) {
+        state.conversation.revision = Math.max(state.conversation.revision, d.revision);
+        run.turnRevision = d.revision;
+      }
       if (turn.status === "waiting" || turn.status === "resuming") setStatus(turn, "streaming");
       if (run.stopWanted) stop();
       break;
@@ -697,6 +701,10 @@ async function follow(run) {
 function finish(run, outcome) {
   const { turn } = run;
   paint(turn);
+  if (outcome !== "incomplete" && state.conversation && run.turnRevision !== undefined) {
+    // A turn's terminal event is sent only once its answer committed, at the next revision.
+    state.conversation.revision = Math.max(state.conversation.revision, run.turnRevision + 1);
+  }
   if (outcome === "completed") {
     setStatus(turn, "completed");
     return;
