@@ -6,8 +6,11 @@ Each scenario saves a screenshot under ``test-artifacts/`` (``CHATPLANE_TEST_ART
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import socket
+import threading
 import shutil
 import tempfile
 import time
@@ -107,3 +110,39 @@ def last_answer(driver: webdriver.Chrome) -> Any:
 def answer_status(driver: webdriver.Chrome) -> str:
     a = last_answer(driver)
     return a.get_attribute("data-status") if a is not None else ""
+
+
+class LoopThreadServer:
+    """A TCP server on its own event loop in a daemon thread, for the fakes and proxies of these tests;
+    subclasses implement ``_serve(reader, writer)``. Leaving the context cancels open connections."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Any:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._cancel_connections(), self.loop).result(timeout=5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+    async def _cancel_connections(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(asyncio.start_server(self._serve, sock=self.sock))
+        self.loop.run_forever()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError

@@ -14,7 +14,6 @@ import base64
 import json
 import mimetypes
 import socket
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
 from edge.routes.ui import PAGE_HEADERS
-from tests.browser.chromium import chromium, console, last_answer, screenshot, sign_in_dev, wait_for
+from tests.browser.chromium import LoopThreadServer, chromium, console, last_answer, screenshot, sign_in_dev, wait_for
 
 UI = Path(__file__).resolve().parents[2] / "edge" / "ui"
 INJECTION = '<img src=x onerror="window.__xss=1">'
@@ -47,42 +46,13 @@ def _sse(events: list[tuple[int, str, dict[str, Any]]]) -> bytes:
     return out
 
 
-class FakeByteEdge:
+class FakeByteEdge(LoopThreadServer):
     """A fake of the edge's HTTP surface for the page (a thread with its own event loop)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.beacons: list[float] = []
         self.submits: list[dict[str, Any]] = []
-        self.loop = asyncio.new_event_loop()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.sock = sock
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> FakeByteEdge:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._cancel_connections(), self.loop).result(timeout=5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-
-    async def _cancel_connections(self) -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(asyncio.start_server(self._serve, sock=self.sock))
-        self.loop.run_forever()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

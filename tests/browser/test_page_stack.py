@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import http.server
-import socket
 import threading
 import time
 import uuid
@@ -31,7 +29,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select
 
-from tests.browser.chromium import answer_status, chromium, console, last_answer, screenshot, sign_in_dev, wait_for
+from tests.browser.chromium import LoopThreadServer, answer_status, chromium, console, last_answer, screenshot, sign_in_dev, wait_for
 from tests.integration.readmodel_load import ProjectionProcess
 from tests.integration.test_edge_harness import edge_process_factory  # noqa: F401 (fixture)
 from tests.integration.workers_harness import WorkerProcess
@@ -149,41 +147,17 @@ async def test_type_and_see_the_answer_stream_then_stop_mid_answer(stack):
     await asyncio.to_thread(scenario)
 
 
-class DroppingProxy:
+class DroppingProxy(LoopThreadServer):
     """A TCP proxy in front of the edge that, when armed, loses the next ``POST /v1/generations``: the
     request reaches the edge, then both connections close before any response byte reaches the page."""
 
     FORWARD_AFTER_HEAD_S = 0.5
 
     def __init__(self, upstream_port: int) -> None:
+        super().__init__()
         self.upstream_port = upstream_port
         self.armed = False
         self.dropped = 0
-        self.loop = asyncio.new_event_loop()
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> DroppingProxy:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._cancel_connections(), self.loop).result(timeout=5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-
-    async def _cancel_connections(self) -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(asyncio.start_server(self._serve, sock=self.sock))
-        self.loop.run_forever()
 
     async def _serve(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         ureader, uwriter = await asyncio.open_connection("127.0.0.1", self.upstream_port)
@@ -294,8 +268,7 @@ class StaticOrigin:
     """Another origin: a plain page on its own port (the product's own front end)."""
 
     def __init__(self) -> None:
-        handler = functools.partial(_BlankPage)
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BlankPage)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
