@@ -9,8 +9,14 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 EDGE_PORT := $(or $(CHATPLANE_EDGE_PORT),8080)
+# Prometheus /metrics of the other processes (docs/metrics.md; the edge serves its own on EDGE_PORT);
+# infra/prometheus/prometheus.yml scrapes these.
+PROCESSOR_METRICS_PORT := $(or $(CHATPLANE_PROCESSOR_METRICS_PORT),9310)
+READMODEL_METRICS_PORT := $(or $(CHATPLANE_READMODEL_METRICS_PORT),9311)
+HISTORY_METRICS_PORT := $(or $(CHATPLANE_HISTORY_METRICS_PORT),9312)
+WORKER_METRICS_PORT := $(or $(CHATPLANE_WORKER_METRICS_PORT),9320)
 
-.PHONY: up down test venv jars cpu-runtime browser status clean-data
+.PHONY: up down test venv jars cpu-runtime browser nginx k8s-tools status clean-data
 
 STAMP := $(VENV)/.chatplane-installed
 
@@ -42,9 +48,19 @@ cpu-runtime: venv
 jars:
 	@infra/fetch
 
+# kustomize and the operators' CRDs that tests/unit/test_k8s_manifests.py validates infra/k8s with
+# (cached in infra/.cache/k8s; docs/k8s.md "Validation").
+k8s-tools:
+	@infra/k8s-tools >/dev/null
+
 # Debian's chromium and chromium-driver for the web page's tests (installed once, when missing).
 browser:
 	@infra/browser-install
+
+# Debian's nginx for the fleet test (tests/integration/test_fleet.py: a real reverse proxy in front of
+# two edges; run by the test as a foreground process, never as the system service).
+nginx:
+	@infra/nginx-install
 
 # `make up` is a development stack: its components may use the edge's built-in development secrets
 # (CHATPLANE_DEV_MODE, docs/edge.md "Authentication"); a value already in the environment is kept.
@@ -57,10 +73,10 @@ up: venv cpu-runtime jars
 	@infra/create-topics
 	@# ---- components: each starts only once its module exists (python -m <module>) ----------
 	@# The lead adds arguments here as the components land; keep one line per process.
-	@infra/component-start projections projections
-	@infra/component-start readmodel projections.readmodel
-	@infra/component-start history projections.history
-	@infra/component-start workers workers --engine cpu
+	@CHATPLANE_PROCESSOR_METRICS_PORT=$(PROCESSOR_METRICS_PORT) infra/component-start projections projections
+	@CHATPLANE_READMODEL_METRICS_PORT=$(READMODEL_METRICS_PORT) infra/component-start readmodel projections.readmodel
+	@CHATPLANE_HISTORY_METRICS_PORT=$(HISTORY_METRICS_PORT) infra/component-start history projections.history
+	@CHATPLANE_WORKER_METRICS_PORT=$(WORKER_METRICS_PORT) infra/component-start workers workers --engine cpu
 	@infra/component-start edge edge
 	@if [ -f edge/__main__.py ]; then CHATPLANE_EDGE_PORT=$(EDGE_PORT) infra/edge-wait; fi
 	@# ---- end of components ------------------------------------------------------------------
@@ -69,6 +85,7 @@ up: venv cpu-runtime jars
 	@echo "  Kafka      $${CHATPLANE_KAFKA_BOOTSTRAP:-127.0.0.1:$${CHATPLANE_KAFKA_PORT:-9092}}   (logs var/kafka/logs/)"
 	@echo "  Cassandra  $${CHATPLANE_CASSANDRA_HOSTS:-127.0.0.1}:$${CHATPLANE_CASSANDRA_PORT:-9042}   (logs var/cassandra/logs/)"
 	@if [ -f edge/__main__.py ]; then echo "  API        http://127.0.0.1:$(EDGE_PORT)/"; else echo "  API        (edge not built yet)"; fi
+	@echo "  metrics    processor :$(PROCESSOR_METRICS_PORT)  readmodel :$(READMODEL_METRICS_PORT)  history :$(HISTORY_METRICS_PORT)  worker :$(WORKER_METRICS_PORT)  edge :$(EDGE_PORT)   (/metrics; docs/metrics.md)"
 	@echo "  pids       .run/    component logs var/log/    stop with: make down"
 	@echo "  dev mode   CHATPLANE_DEV_MODE=$$CHATPLANE_DEV_MODE   (tokens: CHATPLANE_DEV_MODE=1 .venv/bin/python -m edge.mint_token --user alice)"
 
@@ -83,7 +100,7 @@ down:
 # The README's test command. Servers are started (and stopped again) by tests/conftest.py; the cpu
 # runtime is installed so the real-model tests run too. pytest's exit code 5 (no tests collected) is
 # reported and fails like any other.
-test: venv jars cpu-runtime browser
+test: venv jars cpu-runtime browser nginx k8s-tools
 	@rc=0; $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5): failing"; fi; \
 	exit $$rc

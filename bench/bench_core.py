@@ -19,6 +19,9 @@ Figures, in the same run (the baselines put the main figure in context on this m
 
     .venv/bin/python bench/bench_core.py                 # print the figures
     .venv/bin/python bench/bench_core.py --write-docs    # also replace the figures in docs/core.md
+    .venv/bin/python bench/bench_core.py --budget-compare --users 20 --warm-hours 6
+        # only the token budget off / on comparison (docs/core.md, "Token budget"): decisions/s and
+        # the admission p99 (``handle`` of each SubmitGeneration) on the same commands, alternated
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +223,74 @@ def processor_split(
     return time.perf_counter() - started, written, hot
 
 
+def timed_with_admission_latencies(
+    aggregates: dict[str, Aggregate], commands: list[Any], policy: Policy
+) -> tuple[float, list[int], int]:
+    """``run`` plus each SubmitGeneration's ``handle`` time (ns) and how many of them were refused by
+    tokens. Per-command clock reads cost the same for every policy compared."""
+    gc.collect()
+    latencies: list[int] = []
+    refused_by_tokens = 0
+    clock = time.perf_counter_ns
+    started = time.perf_counter()
+    for c in commands:
+        t = clock()
+        aggregates[c.user_id], decision, _ = handle(aggregates[c.user_id], c, policy)
+        if c.type == "SubmitGeneration":
+            latencies.append(clock() - t)
+            refused_by_tokens += decision.outcome.details.kind == "tokens"
+    return time.perf_counter() - started, latencies, refused_by_tokens
+
+
+def budget_compare(workload: Workload, policy: Policy, warm_end: int, timed_end: int, rounds: int) -> list[str]:
+    """The token budget off / on, same commands, same run: decisions/s (best round) and the
+    admission p99 (pooled over rounds), alternating policies so that load drifts hit both."""
+    warm = workload.commands(T0_MS, warm_end)
+    timed = workload.commands(warm_end, timed_end)
+    budgets = {
+        "off (default)": 0,
+        "on, generous (never binds)": 1_000_000,
+        "on, binding": 20_000,
+    }
+    snapshots: dict[str, dict[str, Aggregate]] = {}
+    policies: dict[str, Policy] = {}
+    for name, budget in budgets.items():
+        policies[name] = replace(policy, token_budget_by_tier={Tier.FREE: budget, Tier.PAID: budget})
+        aggregates = {u: Aggregate.empty(u) for u in workload.users}
+        run(aggregates, warm, policies[name])
+        snapshots[name] = aggregates
+    results: dict[str, tuple[list[float], list[list[int]], int]] = {name: ([], [], 0) for name in budgets}
+    for _ in range(rounds):
+        for name in budgets:
+            seconds, latencies, refused = timed_with_admission_latencies(dict(snapshots[name]), timed, policies[name])
+            runs, per_round, _ = results[name]
+            runs.append(seconds)
+            per_round.append(latencies)
+            results[name] = (runs, per_round, refused)
+    n = len(timed)
+    submits = sum(c.type == "SubmitGeneration" for c in timed)
+    lines = [
+        f"{n:,} commands ({submits:,} submits) of {len(workload.users)} users, best of {rounds} rounds alternated:",
+        "",
+        "| token budget | `handle` decisions/s | admission p50 / p99, all rounds pooled | admission p50 / p99, "
+        "each submit's best round | submits refused by tokens |",
+        "|---|---|---|---|---|",
+    ]
+
+    def p50_p99(values: list[int]) -> str:
+        values = sorted(values)
+        p50, p99 = values[len(values) // 2], values[min(len(values) - 1, int(len(values) * 0.99))]
+        return f"{p50 / 1000:.1f} / {p99 / 1000:.1f} µs"
+
+    for name, (runs, per_round, refused) in results.items():
+        pooled = [x for latencies in per_round for x in latencies]
+        # The same submit against the same state in every round: its best round leaves out the
+        # scheduler's preemptions (the pooled tail on a shared machine is mostly those).
+        best = [min(xs) for xs in zip(*per_round)]
+        lines.append(f"| {name} | {n / min(runs):,.0f} | {p50_p99(pooled)} | {p50_p99(best)} | {refused:,} |")
+    return lines
+
+
 def per_call_s(fn: Any, n: int) -> float:
     best = float("inf")
     for _ in range(5):
@@ -238,12 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--conversations", type=int, default=0, help="conversations per user (every generation a turn)")
     parser.add_argument("--write-docs", action="store_true", help=f"replace the figures in {DOCS.relative_to(ROOT)}")
+    parser.add_argument("--budget-compare", action="store_true", help="only the token budget off / on comparison")
+    parser.add_argument("--rounds", type=int, default=3, help="--budget-compare: rounds per policy")
     args = parser.parse_args(argv)
 
     policy = Policy(models=load_catalog().policy_models())  # the shipped catalog: "fast-text-model"
     workload = Workload(args.users, args.seed, int(args.renew_every_s * 1000), args.conversations)
     warm_end = T0_MS + int(args.warm_hours * HOUR_MS)
     timed_end = warm_end + int(args.timed_hours * HOUR_MS)
+    if args.budget_compare:
+        print("\n".join(budget_compare(workload, policy, warm_end, timed_end, args.rounds)))
+        return 0
 
     t = time.perf_counter()
     aggregates = {u: Aggregate.empty(u) for u in workload.users}

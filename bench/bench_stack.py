@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_stack.py                         # idle 30 s, then 20, 50, 100/s for 30 s each
     .venv/bin/python bench/bench_stack.py --rates 20 --seconds 20 --idle-s 10    # a quick look
+    .venv/bin/python bench/bench_stack.py --rates 20 --seconds 20 --tracing      # tracing off vs on (docs/tracing.md)
 
 The stack is bench/stackrun.py's, shaped as ``make up`` runs it: its own broker and Cassandra, one
 admission processor, one read-model projection, one ``sim`` worker (50 ms to the first token, 10 ms a
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import sys
@@ -46,6 +48,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -62,6 +65,8 @@ SIM_ENV = {"CHATPLANE_SIM_TTFT_MS": int(ENGINE_TTFT_MS), "CHATPLANE_SIM_INTER_TO
 OUTPUT_TOKENS = 8
 DECISION_TARGET_S = 0.5
 WARMUP_RATE = 10.0  # requests/s during --warmup-s
+# --tracing: every component traces what carries a context and encodes its spans, then drops them.
+TRACING_ENV = {"CHATPLANE_TRACING": "drop"}
 HTTP_TIMEOUT_S = 120.0
 MIB = 1024 * 1024
 
@@ -289,6 +294,159 @@ def report(phase: Phase, who: str = "chatplane") -> str:
     return "\n".join(lines)
 
 
+def summary(phase: Phase) -> dict[str, object]:
+    """One phase as data (``--json``): what ``report`` prints, for bench/capacity.py and later comparisons."""
+    ss = phase.samples
+    done = [s for s in ss if s.code == "completed"]
+    created = [(s.decided - s.sent) * 1000 for s in ss if s.decided is not None and s.typed]
+    first = [(s.first_token - s.sent) * 1000 for s in done if s.first_token is not None]
+    within = sum(1 for s in ss if s.typed and s.decided is not None and s.decided - s.sent <= DECISION_TARGET_S)
+    return {
+        "rate": phase.rate, "requests": len(ss), "completed": len(done), "wall_s": round(phase.wall_s, 3),
+        "outcomes": dict(Counter(s.code for s in ss)),
+        "typed_within_500ms": within / max(1, len(ss)),
+        "decision_ms": {q: pct(created, v) for q, v in (("p50", .5), ("p95", .95), ("p99", .99))},
+        "first_token_ms": {q: pct(first, v) for q, v in (("p50", .5), ("p95", .95), ("p99", .99))},
+        "cpu_ms_per_generation": phase.cpu_ms,
+        "rss_mib": phase.rss_mib,
+        "kafka_bytes_per_generation": phase.kafka_bytes,
+        "kafka_bytes_per_generation_by_topic": phase.kafka_topics,
+        "kafka_records_per_generation": phase.kafka_records,
+        "cassandra_disk_bytes_per_generation": phase.cassandra_bytes,
+    }
+
+
+# The held-streams phase (--hold-streams): memory and CPU per open stream, on a second stack whose sim
+# worker writes a token every --hold-inter-token-ms (default: the seed's mean of twenty output tokens a
+# second per sequence, section 2), each stream read as it comes.
+HOLD_INTER_TOKEN_MS = 50
+HOLD_OPEN_RATE = 10.0  # new streams a second while opening
+HOLD_OUTPUT_TOKENS = 4_000  # long enough to stay open for the whole phase
+HOLD_FIRST_TOKEN_WAIT_S = 120.0
+HOLD_MEASURE_S = 10.0
+
+
+async def hold_streams(n: int, work: Path, env: dict[str, str], inter_token_ms: int = HOLD_INTER_TOKEN_MS) -> dict[str, object]:
+    """Open ``n`` streams (one new user each) on a fresh stack, wait until every one has its first
+    token, then read RSS of every process and CPU over ``HOLD_MEASURE_S``; per stream is the difference
+    against the same stack just before the streams opened, divided by the streams that were open."""
+    stack = Stack(work, namespace=f"hold{uuid.uuid4().hex[:6]}", processors=1, workers=1, edges=1, readmodels=1,
+                  env={**SIM_ENV, "CHATPLANE_SIM_INTER_TOKEN_MS": inter_token_ms,
+                       "CHATPLANE_SIM_OUTPUT_TOKENS": 100_000, "CHATPLANE_SIM_MAX_CONCURRENT": n + 64,
+                       "CHATPLANE_GENERATION_DURATION_MAX_MS": 3_600_000, "CHATPLANE_WORKER_GENERATION_DURATION_MAX_S": 3_600,
+                       # the phase measures holding streams, not admission: the edge's capacity estimate
+                       # (built for 10 ms tokens) would refuse most of these slow, long ones
+                       # and the edge's adaptive in-flight limit starts at CHATPLANE_EDGE_SHED_STREAMS_MIN held streams
+                       # and rises only as decisions come back in time: off too (docs/cost.md's "before" settings)
+                       "CHATPLANE_EDGE_CAPACITY_CHECK": 0, "CHATPLANE_EDGE_SHED_DECISION_AGE_MS": 0,
+                       "CHATPLANE_EDGE_SHED_LOOP_LAG_MS": 0, "CHATPLANE_EDGE_SHED_LATENCY_TARGET_MS": 0, **env})
+    await stack.start()
+    opened: list[asyncio.Task[None]] = []
+    first = 0
+    ends: Counter[str] = Counter()  # how the streams that ended before the phase's end ended
+    waiting = n  # streams neither past their first token nor ended
+    measuring = False
+    deltas = 0  # text delta events received while measuring
+    stop = asyncio.Event()
+
+    async def hold(http: httpx.AsyncClient) -> None:
+        """One stream, read until the phase ends; ``waiting`` drops once it has its first token or ended."""
+        nonlocal first, waiting, deltas
+        user = f"h{uuid.uuid4().hex[:12]}"
+        body = {"model": MODEL, "stream": True, "max_output_tokens": HOLD_OUTPUT_TOKENS,
+                "messages": [{"role": "user", "content": "Tell me a long story."}]}
+        headers = {"Authorization": f"Bearer {stack.token(user)}", "Idempotency-Key": uuid.uuid4().hex}
+        seen = False
+        try:
+            async with http.stream("POST", "/v1/generations", json=body, headers=headers) as resp:
+                if resp.status_code != 200:
+                    s = Sample(0.0)
+                    await _error_answer(resp, s)
+                    ends[s.code] += 1
+                    return
+                tail = b""
+                async for chunk in resp.aiter_raw():
+                    window = tail + chunk
+                    if not seen and b"generation.text.delta" in window:
+                        seen, first, waiting = True, first + 1, waiting - 1
+                    if measuring:
+                        deltas += chunk.count(b"event: generation.text.delta")
+                    if stop.is_set():
+                        return
+                    for name in (b"generation.completed", b"generation.error", b"generation.cancelled"):
+                        if b"event: " + name in window:
+                            ends[name.decode()] += 1
+                            return
+                    tail = window[-64:]
+                ends["eof"] += 1
+        except httpx.HTTPError as exc:
+            ends[type(exc).__name__] += 1
+        finally:
+            if not seen:
+                waiting -= 1
+
+    try:
+        limits = httpx.Limits(max_connections=n + 100, max_keepalive_connections=n + 100)
+        async with httpx.AsyncClient(base_url=stack.edge_urls[0], timeout=HTTP_TIMEOUT_S, limits=limits) as http:
+            await asyncio.sleep(5.0)  # settle after start
+            before_rss = {name: (rss_bytes(pid) or 0) / MIB for name, pid in stack.pids().items()}
+            before_cpu, _, _ = snapshot(stack_pids(stack), None)
+            t_before = time.monotonic()
+            await asyncio.sleep(HOLD_MEASURE_S)
+            idle_cpu_pct = {k: (v - before_cpu[k]) / (time.monotonic() - t_before) * 100
+                            for k, v in snapshot(stack_pids(stack), None)[0].items()}
+            t0 = time.monotonic()
+            for i in range(n):
+                await asyncio.sleep(max(0.0, t0 + i / HOLD_OPEN_RATE - time.monotonic()))
+                opened.append(asyncio.create_task(hold(http)))
+            deadline = time.monotonic() + HOLD_FIRST_TOKEN_WAIT_S
+            while waiting > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            open_now = sum(1 for t in opened if not t.done())
+            cpu0, _, _ = snapshot(stack_pids(stack), None)
+            t1 = time.monotonic()
+            measuring = True
+            await asyncio.sleep(HOLD_MEASURE_S)
+            measuring = False
+            cpu1, _, _ = snapshot(stack_pids(stack), None)
+            held_s = time.monotonic() - t1
+            held_rss = {name: (rss_bytes(pid) or 0) / MIB for name, pid in stack.pids().items()}
+            still_open = sum(1 for t in opened if not t.done())
+            stop.set()
+            for t in opened:
+                t.cancel()
+            await asyncio.gather(*opened, return_exceptions=True)
+    finally:
+        stack.stop()
+    held = max(1, min(open_now, still_open))
+    return {
+        "streams_requested": n, "streams_with_first_token": first, "streams_open_measured": held,
+        "ended_early": dict(ends),
+        "inter_token_ms": inter_token_ms,
+        "deltas_per_s_per_stream": deltas / held_s / held,
+        "rss_mib_before": before_rss, "rss_mib_held": held_rss,
+        "rss_kib_per_stream": {k: (held_rss.get(k, 0.0) - before_rss.get(k, 0.0)) * 1024 / held for k in held_rss},
+        "idle_cpu_pct": idle_cpu_pct,
+        "held_cpu_pct": {k: (cpu1[k] - cpu0.get(k, 0.0)) / held_s * 100 for k in cpu1},
+        "cpu_pct_per_stream": {k: ((cpu1[k] - cpu0.get(k, 0.0)) / held_s * 100 - idle_cpu_pct.get(k, 0.0)) / held
+                               for k in cpu1},
+    }
+
+
+def hold_report(h: dict[str, object]) -> str:
+    per = h["rss_kib_per_stream"]
+    cpu = h["cpu_pct_per_stream"]
+    assert isinstance(per, dict) and isinstance(cpu, dict)
+    return "\n".join([
+        f"held streams: {h['streams_open_measured']} open of {h['streams_requested']} requested "
+        f"({h['streams_with_first_token']} had their first token), one token per {h['inter_token_ms']} ms"
+        f" ({h['deltas_per_s_per_stream']:.1f} delta events/s per stream arrived);"
+        f" ended before the measure: {h['ended_early'] or 'none'}",
+        "  RSS KiB per held stream: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items())),
+        "  CPU % of a core per held stream (above idle): " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(cpu.items())),
+    ])
+
+
 def first_token_ms(phase: Phase) -> list[float]:
     return [(s.first_token - s.sent) * 1000 for s in phase.samples if s.code == "completed" and s.first_token is not None]
 
@@ -313,29 +471,46 @@ async def idle_cpu(pids: Callable[[], dict[str, list[int]]], seconds: float) -> 
 
 
 async def bench(args: argparse.Namespace, work: Path) -> None:
-    stack = Stack(work, namespace=f"bench{uuid.uuid4().hex[:6]}", processors=1, workers=1, edges=1, readmodels=1,
-                  env={**SIM_ENV, **dict(item.split("=", 1) for item in args.env)})
+    stack = Stack(work, namespace=f"bench{uuid.uuid4().hex[:6]}", processors=1, workers=1,
+                  edges=2 if args.tracing else 1, readmodels=1,
+                  env={**SIM_ENV, **(TRACING_ENV if args.tracing else {}), **dict(item.split("=", 1) for item in args.env)})
+    if args.tracing:  # edge-1 starts no traces (the baseline), edge-2 traces every generation
+        stack.components["edge-1"].env["CHATPLANE_TRACING"] = "off"
+    targets = [(" (tracing off)", 0), (" (tracing on)", 1)] if args.tracing else [("", 0)]
     ours: list[Phase] = []
+    record: dict[str, Any] = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args),
+                              "commit": _commit(), "phases": []}
     await stack.start()
     try:
-        if args.warmup_s > 0:  # JIT-warm the JVMs and fill the connection pools; not reported
-            await run_rate(WARMUP_RATE, args.warmup_s, args.tail_s, stack.edge_urls[0],
+        for url in stack.edge_urls if args.warmup_s > 0 else ():  # JIT-warm the JVMs, fill the pools; not reported
+            await run_rate(WARMUP_RATE, args.warmup_s, args.tail_s, url,
                            lambda http, s: one(http, stack, s), lambda: stack_pids(stack), stack)
         idle = await idle_cpu(lambda: stack_pids(stack), args.idle_s)
+        record["idle_cpu_pct"] = idle
         print(f"chatplane idle over {args.idle_s:g} s, % of one core: "
               + ", ".join(f"{k} {v:.1f}" for k, v in sorted(idle.items())), flush=True)
         sends = {"generations": one, "openai": ours_openai}
         for rate in args.rates:
             for api in args.api:
                 send = sends[api]
-                phase = await run_rate(rate, args.seconds, args.tail_s, stack.edge_urls[0],
-                                       lambda http, s, send=send: send(http, stack, s), lambda: stack_pids(stack), stack)
-                if api == args.api[0]:
-                    ours.append(phase)
-                print(report(phase, "chatplane" if api == "generations" else f"chatplane {API_PATHS[api]}"), flush=True)
-                await asyncio.sleep(args.pause_s)
+                for label, edge in targets:  # with --tracing: the same rate untraced, then traced
+                    phase = await run_rate(rate, args.seconds, args.tail_s, stack.edge_urls[edge],
+                                           lambda http, s, send=send: send(http, stack, s), lambda: stack_pids(stack), stack)
+                    if api == args.api[0] and edge == 0:
+                        ours.append(phase)
+                    record["phases"].append({"api": api, "tracing": edge == 1, **summary(phase)})
+                    who = "chatplane" if api == "generations" else f"chatplane {API_PATHS[api]}"
+                    print(report(phase, who + label), flush=True)
+                    await asyncio.sleep(args.pause_s)
     finally:
         stack.stop()
+    if args.hold_streams > 0:
+        record["hold"] = await hold_streams(args.hold_streams, work / "hold", dict(item.split("=", 1) for item in args.env),
+                                           args.hold_inter_token_ms)
+        print(hold_report(record["hold"]), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=1, default=str))
+        print(f"figures written to {args.json}", flush=True)
     if args.peer != "litellm":
         return
     peer = LiteLLMPeer(work / "litellm", args.peer_venv, args.peer_workers, MODEL, ENGINE_TTFT_MS, 10.0)
@@ -359,6 +534,17 @@ async def bench(args: argparse.Namespace, work: Path) -> None:
     print(side_by_side(ours, theirs, ("litellm",)), flush=True)
 
 
+def _commit() -> str:
+    import subprocess
+
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "")
+    return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/bench_stack.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", type=lambda v: [float(x) for x in v.split(",")], default=[20.0, 50.0, 100.0])
@@ -377,6 +563,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="chatplane's API(s) per rate, one phase each, in this order: generations, openai "
                         "(/v1/chat/completions on the same pipeline); the first is the one compared with the peer")
     p.add_argument("--work-dir", type=Path)
+    p.add_argument("--json", type=Path, help="also write every figure as JSON here (bench/capacity.py reads it)")
+    p.add_argument("--tracing", action="store_true",
+                   help="two edges: each rate through edge-1 (starts no traces) and then edge-2 (traces every "
+                        "generation); every component has CHATPLANE_TRACING=drop (spans encoded, then dropped: "
+                        "docs/tracing.md), so the two phases compare tracing's CPU and latency in one run")
+    p.add_argument("--hold-streams", type=int, default=0,
+                   help="after the rates: open this many slow streams on a second stack and measure memory and CPU per "
+                        "held stream (the capacity model's input)")
+    p.add_argument("--hold-inter-token-ms", type=int, default=HOLD_INTER_TOKEN_MS,
+                   help="the held streams' engine pace (default: the seed's 20 output tokens/s per sequence)")
     args = p.parse_args(argv)
     unknown = sorted(set(args.api) - set(API_PATHS))
     if unknown:

@@ -222,7 +222,9 @@ class Stack:
             port = free_port()
             add("edge", i, "edge", [], {
                 "CHATPLANE_EDGE_PORT": str(port), "CHATPLANE_EDGE_INBOX_PARTITION": str(i - 1),
-                "CHATPLANE_EDGE_REPLICAS": str(self.edges)}, url=f"http://127.0.0.1:{port}")
+                "CHATPLANE_EDGE_REPLICAS": str(self.edges),
+                # The load generator is one address standing for many users: no per-address bucket.
+                "CHATPLANE_EDGE_IP_BURST": "0"}, url=f"http://127.0.0.1:{port}")
 
     # -- servers -----------------------------------------------------------------------------------
 

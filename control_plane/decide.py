@@ -16,8 +16,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, assert_never
 
-from control_plane.policy import Policy
-from control_plane.state import Conversation, RequestRecord, UserLedger, reservation_id, retained_until_ms, usage_key
+from control_plane.policy import Policy, RiskLimits
+from control_plane.state import (
+    Conversation,
+    QuotaWindow,
+    RequestRecord,
+    UserLedger,
+    reservation_id,
+    retained_until_ms,
+    usage_key,
+)
 from schemas import events as ev
 from schemas.codes import (
     CancelReason,
@@ -26,6 +34,7 @@ from schemas.codes import (
     RejectionCode,
     RequestStatus,
     SlotReleaseReason,
+    Tier,
 )
 from schemas.commands import (
     AcceptAttempt,
@@ -49,7 +58,9 @@ from schemas.messages import Outcome, OutcomeKind, RejectionDetails, UsageSnapsh
 CONCURRENCY_RETRY_AFTER_MS = 2_000
 CAPACITY_RETRY_AFTER_MS = 1_000
 
-_FAILURE_CODES = frozenset({RejectionCode.MODEL_BACKEND_ERROR, RejectionCode.GENERATION_TIMEOUT})
+# The failure codes a worker's report may carry; output_refused is the output check's stop
+# (docs/policy.md): the message stays spent, as after any failure once acceptance committed.
+_FAILURE_CODES = frozenset({RejectionCode.MODEL_BACKEND_ERROR, RejectionCode.GENERATION_TIMEOUT, RejectionCode.OUTPUT_REFUSED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +214,10 @@ def _resubmit(state: UserLedger, record: RequestRecord, c: SubmitGeneration, pol
 
 def _quota_details(state: UserLedger, record: RequestRecord, policy: Policy) -> RejectionDetails:
     window = state.windows.get(record.reset_at_ms - policy.window_ms)
+    if record.refusal_kind == TOKENS:
+        limit = record.token_limit
+        held = (window.tokens_used + window.tokens_reserved) if window else 0
+        return RejectionDetails(limit=limit, remaining=max(0, limit - held), reset_at_ms=record.reset_at_ms, kind=TOKENS)
     limit = window.limit if window else policy.quota_limit(record.tier)
     remaining = max(0, limit - window.used - window.reserved) if window else limit
     return RejectionDetails(limit=limit, remaining=remaining, reset_at_ms=record.reset_at_ms)
@@ -212,8 +227,12 @@ def _query_usage(state: UserLedger, c: QueryUsage, policy: Policy, out: _Emitter
     """The quota window a submit issued now would be charged to (``_admit``'s choice), and the slots."""
     window_start = max(policy.window_start_ms(c.issued_at_ms), state.open_windows_from_ms)
     window = state.windows.get(window_start)
-    limit = window.limit if window else policy.quota_limit(c.tier)
     used, reserved = (window.used, window.reserved) if window else (0, 0)
+    risk_name, risk = policy.risk_limits(c.user_id, c.risk_class)
+    limits = _limits(policy, c.tier, window, risk)
+    limit = limits.quota
+    tokens_used, tokens_reserved = (window.tokens_used, window.tokens_reserved) if window else (0, 0)
+    token_limit = limits.tokens if limits.tokens is not None else 0
     snapshot = UsageSnapshot(
         window_start_ms=window_start,
         window_end_ms=window_start + policy.window_ms,
@@ -222,9 +241,42 @@ def _query_usage(state: UserLedger, c: QueryUsage, policy: Policy, out: _Emitter
         reserved=reserved,
         remaining=max(0, limit - used - reserved),
         active=len(state.slots),
-        concurrency_limit=policy.concurrency_limit,
+        concurrency_limit=limits.concurrency,
+        token_limit=token_limit,
+        tokens_used=tokens_used,
+        tokens_reserved=tokens_reserved,
+        tokens_remaining=max(0, token_limit - tokens_used - tokens_reserved) if limits.tokens is not None else 0,
+        risk_class=risk_name,
     )
     return out.decision(OutcomeKind.EXISTING, usage=snapshot)
+
+
+TOKENS = "tokens"  # RejectionDetails.kind of a refusal by the token budget
+
+
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """The limits one decision applies: the tier's (as its window recorded them), each lowered by the
+    account's risk class. ``tokens`` None: no token budget applies."""
+
+    quota: int
+    tokens: int | None
+    concurrency: int
+
+
+def _limits(policy: Policy, tier: Tier, window: QuotaWindow | None, risk: RiskLimits | None) -> _Limits:
+    quota = window.limit if window else policy.quota_limit(tier)
+    tier_tokens = window.token_limit if window else policy.token_budget(tier)
+    tokens: int | None = tier_tokens if tier_tokens > 0 else None
+    concurrency = policy.concurrency_limit
+    if risk is not None:
+        if risk.quota_limit is not None:
+            quota = min(quota, risk.quota_limit)
+        if risk.token_budget is not None:
+            tokens = risk.token_budget if tokens is None else min(tokens, risk.token_budget)
+        if risk.concurrency_limit is not None:
+            concurrency = min(concurrency, risk.concurrency_limit)
+    return _Limits(quota, tokens, concurrency)
 
 
 def read_past_deadline(c: SubmitGeneration) -> bool:
@@ -252,10 +304,18 @@ def _admit(
     window_start = max(policy.window_start_ms(c.issued_at_ms), state.open_windows_from_ms)
     window_end = window_start + policy.window_ms
     window = state.windows.get(window_start)
-    limit = window.limit if window else policy.quota_limit(c.tier)
+    tier_limit = window.limit if window else policy.quota_limit(c.tier)  # what the window records
+    tier_tokens = window.token_limit if window else policy.token_budget(c.tier)
+    risk_name, risk = policy.risk_limits(c.user_id, c.risk_class)
+    limits = _limits(policy, c.tier, window, risk)
+    limit = limits.quota
     held = (window.used + window.reserved) if window else 0
+    tokens_used, tokens_reserved = (window.tokens_used, window.tokens_reserved) if window else (0, 0)
+    tokens_needed = c.input_tokens + c.max_output_tokens
 
-    def refuse(code: RejectionCode, status: RequestStatus, details: RejectionDetails, late: bool = False) -> Decision:
+    def refuse(
+        code: RejectionCode, status: RequestStatus, details: RejectionDetails, late: bool = False, token_limit: int = 0
+    ) -> Decision:
         out.emit(
             ev.AdmissionRejected,
             generation_id,
@@ -272,6 +332,8 @@ def _admit(
             reset_at_ms=window_end,
             read_at_ms=c.read_at_ms if late else 0,
             decide_by_ms=c.decide_by_ms if late else 0,
+            kind=details.kind or "",
+            token_limit=token_limit,
         )
         return out.reject(
             code, generation_id=generation_id, status=status, epoch=epoch - 1, model_version=model_version, details=details
@@ -296,7 +358,29 @@ def _admit(
             RequestStatus.REJECTED,
             RejectionDetails(limit=limit, remaining=0, reset_at_ms=window_end),
         )
-    slot = _free_slot(state, policy)
+    if limits.tokens is not None:
+        # The token budget, in the same decision: settled usage that leaves no room for this request's
+        # reservation refuses it for the window; room held only by unsettled reservations (running or
+        # queued generations) frees as they settle, so the client waits for one to finish.
+        budget = limits.tokens
+        remaining = max(0, budget - tokens_used - tokens_reserved)
+        if tokens_used + tokens_needed > budget:
+            return refuse(
+                RejectionCode.QUOTA_EXHAUSTED,
+                RequestStatus.REJECTED,
+                RejectionDetails(limit=budget, remaining=remaining, reset_at_ms=window_end, kind=TOKENS),
+                token_limit=budget,
+            )
+        if tokens_used + tokens_reserved + tokens_needed > budget:
+            return refuse(
+                RejectionCode.CONCURRENCY_LIMITED,
+                RequestStatus.ADMISSION_RETRYABLE,
+                RejectionDetails(
+                    limit=budget, remaining=remaining, retry_after_ms=CONCURRENCY_RETRY_AFTER_MS, kind=TOKENS
+                ),
+                token_limit=budget,
+            )
+    slot = _free_slot(state, limits.concurrency)
     if slot is None:
         return refuse(
             RejectionCode.CONCURRENCY_LIMITED,
@@ -326,12 +410,16 @@ def _admit(
         reservation_id=reservation_id(generation_id, epoch),
         window_start_ms=window_start,
         window_end_ms=window_end,
-        window_limit=limit,
+        window_limit=tier_limit,
         slot_index=slot,
         queue_deadline_ms=queue_deadline,
         reconcile_deadline_ms=queue_deadline + policy.reconcile_grace_ms,
         reader_id=c.reader_id,
         reply_to=c.reply_to,
+        tokens_reserved=tokens_needed,
+        window_token_limit=tier_tokens,
+        token_limit=limits.tokens or 0,
+        risk_class=risk_name,
     )
     revision = None
     if turn is not None:
@@ -551,10 +639,10 @@ def _end_turn(state: UserLedger, record: RequestRecord, out: _Emitter, status: R
     _emit_commit(conversation, record.generation_id, record.epoch, _answer_status(status), cid, out, spooled=spooled)
 
 
-def _free_slot(state: UserLedger, policy: Policy) -> int | None:
-    if len(state.slots) >= policy.concurrency_limit:
+def _free_slot(state: UserLedger, concurrency_limit: int) -> int | None:
+    if len(state.slots) >= concurrency_limit:
         return None
-    for index in range(policy.concurrency_limit):
+    for index in range(concurrency_limit):
         if index not in state.slots:
             return index
     return None
@@ -817,7 +905,11 @@ def _report(state: UserLedger, c: ReportAttemptFinished, policy: Policy, out: _E
         and c.epoch > record.fenced_epoch
     ):
         _release_slot(state, record, out, SlotReleaseReason.STOP_ACKNOWLEDGED)
-        _record_usage(state, record, out, c.input_tokens, c.output_tokens, c.finish_reason or c.outcome.value, c.outcome)
+        delivered = c.output_tokens if c.delivered_tokens is None else min(c.delivered_tokens, c.output_tokens)
+        _record_usage(
+            state, record, out, policy, c.output_tokens, c.finish_reason or c.outcome.value, c.outcome, delivered, lost=False,
+            ttft_ms=c.ttft_ms,
+        )
         partial = c.output_tokens > 0
         if c.outcome is FinishOutcome.COMPLETED:
             out.emit(
@@ -860,14 +952,34 @@ def _terminal_sequence(c: ReportAttemptFinished) -> int:
     return c.last_sequence + 1 if c.last_sequence else 0
 
 
+def settle_tokens(reserved: int, input_tokens: int, output_tokens: int, policy: Policy, lost: bool) -> tuple[int, int]:
+    """(billable, overshoot) of an attempt's token reservation: the settlement rules (docs/core.md).
+
+    The admission's input count is authoritative. A report charges input + generated (a cancelled or
+    failed attempt: what it generated before it stopped); above the reservation in full, recorded as
+    overshoot, up to ``token_overshoot_max`` past it. A lost report (lease or run deadline) charges the
+    last renewal's tokens plus ``token_lost_report_bound``, at most the reservation (unless the renewal
+    itself reported more). A reservation of 0 (admitted before budgets) charges the actual usage.
+    """
+    actual = input_tokens + output_tokens
+    if reserved <= 0:
+        return actual, 0
+    billable = max(actual, min(actual + policy.token_lost_report_bound, reserved)) if lost else actual
+    billable = min(billable, reserved + policy.token_overshoot_max)
+    return billable, max(0, billable - reserved)
+
+
 def _record_usage(
     state: UserLedger,
     record: RequestRecord,
     out: _Emitter,
-    input_tokens: int,
+    policy: Policy,
     output_tokens: int,
     reason: str,
     outcome: FinishOutcome | None,
+    delivered_tokens: int,
+    lost: bool,
+    ttft_ms: int | None = None,
 ) -> None:
     if usage_key(record.generation_id, record.epoch) in state.usage:
         return
@@ -875,17 +987,25 @@ def _record_usage(
     # once consumed, and the window may have been retired while the generation ran).
     assert record.attempt is not None
     window_start_ms = record.attempt.window_start_ms
+    reserved = record.attempt.tokens_reserved
+    billable, overshoot = settle_tokens(reserved, record.input_tokens, output_tokens, policy, lost)
     out.emit(
         ev.UsageRecorded,
         record.generation_id,
         epoch=record.epoch,
-        input_tokens=input_tokens,
+        input_tokens=record.input_tokens,
         output_tokens=output_tokens,
         terminal_reason=reason,
         outcome=outcome,
         model_version=record.model_version,
         tier=record.tier,
         window_start_ms=window_start_ms,
+        requested_output_tokens=record.max_output_tokens,
+        delivered_tokens=delivered_tokens,
+        billable_tokens=billable,
+        tokens_reserved=reserved,
+        overshoot_tokens=overshoot,
+        ttft_ms=ttft_ms,  # the worker's acceptance -> first token (docs/slo.md)
     )
 
 
@@ -911,6 +1031,7 @@ def _release_unstarted(state: UserLedger, record: RequestRecord, out: _Emitter, 
             window_start_ms=reservation.window_start_ms,
             epoch=record.epoch,
             reason=reason,
+            tokens_released=record.attempt.tokens_reserved if record.attempt is not None else 0,
         )
     _release_slot(state, record, out, SlotReleaseReason.NEVER_ACCEPTED)
 
@@ -924,14 +1045,15 @@ def _lapse(state: UserLedger, record: RequestRecord, out: _Emitter, reason: Fenc
     _end_turn(state, record, out, RequestStatus.ADMISSION_RETRYABLE, spooled=False)
 
 
-def _expire_running(state: UserLedger, record: RequestRecord, out: _Emitter, reason: FenceReason) -> None:
+def _expire_running(state: UserLedger, record: RequestRecord, out: _Emitter, reason: FenceReason, policy: Policy) -> None:
     """A lease or run deadline passed: fence the epoch so nothing from it counts, then settle."""
     attempt = record.attempt
     assert attempt is not None
     out.emit(ev.AttemptFenced, record.generation_id, epoch=record.epoch, reason=reason)
     _release_slot(state, record, out, SlotReleaseReason.LEASE_FENCED)
     tokens = attempt.output_tokens_reported
-    _record_usage(state, record, out, record.input_tokens, tokens, reason.value, None)
+    # The worker's report is lost (it stopped renewing): settle at its last renewal plus a bound.
+    _record_usage(state, record, out, policy, tokens, reason.value, None, tokens, lost=True)
     if attempt.cancel_reason is not None:
         out.emit(
             ev.GenerationCancelled, record.generation_id, epoch=record.epoch, reason=attempt.cancel_reason, partial=tokens > 0
@@ -1001,9 +1123,16 @@ def _reconcile(state: UserLedger, c: ReconcileDue, policy: Policy, out: _Emitter
         elif reason is FenceReason.QUEUE_DEADLINE:
             _lapse(state, record, out, reason)
         else:
-            _expire_running(state, record, out, reason)
+            _expire_running(state, record, out, reason, policy)
+    # Usage settled above, by this command, is in its window's token count by the time it retires.
+    settled_now: dict[int, int] = {}
+    for e in out.events:
+        if type(e) is ev.UsageRecorded:
+            settled_now[e.window_start_ms] = settled_now.get(e.window_start_ms, 0) + e.billable_tokens
     for window in state.windows.values():
-        # A window is retained while any reservation in it is unresolved, even past its end.
+        # A window is retained while any reservation in it is unresolved, even past its end. (Token
+        # reservations of generations still running may outlive it: no admission is charged to a
+        # retired window, so their settlement later only records the usage.)
         if window.window_end_ms <= now and window.reserved == 0:
             out.emit(
                 ev.QuotaWindowRetired,
@@ -1011,6 +1140,7 @@ def _reconcile(state: UserLedger, c: ReconcileDue, policy: Policy, out: _Emitter
                 window_start_ms=window.window_start_ms,
                 used=window.used,
                 released=window.released,
+                tokens_used=window.tokens_used + settled_now.get(window.window_start_ms, 0),
             )
     for cid in sorted(state.conversations):
         since = _parkable_since(state.conversations[cid])

@@ -68,8 +68,10 @@ def _put_window(state: UserLedger, window: QuotaWindow) -> dict[int, QuotaWindow
 
 
 def _admitted(state: UserLedger, e: ev.GenerationAdmitted) -> UserLedger:
-    window = _window(state, e.window_start_ms) or QuotaWindow(e.window_start_ms, e.window_end_ms, e.window_limit)
-    window = with_changes(window, reserved=window.reserved + 1)
+    window = _window(state, e.window_start_ms) or QuotaWindow(
+        e.window_start_ms, e.window_end_ms, e.window_limit, token_limit=e.window_token_limit
+    )
+    window = with_changes(window, reserved=window.reserved + 1, tokens_reserved=window.tokens_reserved + e.tokens_reserved)
     reservations = dict(state.reservations)
     reservations[e.reservation_id] = Reservation(
         e.reservation_id, e.generation_id, e.epoch, e.window_start_ms, ReservationState.RESERVED, e.reconcile_deadline_ms
@@ -93,7 +95,14 @@ def _admitted(state: UserLedger, e: ev.GenerationAdmitted) -> UserLedger:
         fenced_epoch=previous.fenced_epoch if previous else 0,
         created_at_ms=previous.created_at_ms if previous else e.occurred_at_ms,
         updated_at_ms=e.occurred_at_ms,
-        attempt=Attempt(e.epoch, None, e.queue_deadline_ms, e.reconcile_deadline_ms, window_start_ms=e.window_start_ms),
+        attempt=Attempt(
+            e.epoch,
+            None,
+            e.queue_deadline_ms,
+            e.reconcile_deadline_ms,
+            window_start_ms=e.window_start_ms,
+            tokens_reserved=e.tokens_reserved,
+        ),
         reply_to=e.reply_to,
         reader_id=e.reader_id,
     )
@@ -122,6 +131,8 @@ def _rejected(state: UserLedger, e: ev.AdmissionRejected) -> UserLedger:
         code=e.code,
         terminal_at_ms=e.occurred_at_ms if e.status.terminal else 0,
         reset_at_ms=e.reset_at_ms,
+        refusal_kind=e.kind,
+        token_limit=e.token_limit,
     )
     return _put_request(state, record, e.occurred_at_ms)
 
@@ -166,7 +177,27 @@ def _consumed(state: UserLedger, e: ev.ReservationConsumed) -> UserLedger:
 
 
 def _released(state: UserLedger, e: ev.ReservationReleased) -> UserLedger:
-    return _settle_reservation(state, e.reservation_id, ReservationState.RELEASED)
+    state = _settle_reservation(state, e.reservation_id, ReservationState.RELEASED)
+    if e.tokens_released:
+        state = _settle_tokens(state, e, e.window_start_ms, e.tokens_released, 0, 0)
+    return state
+
+
+def _settle_tokens(state: UserLedger, e: Any, window_start_ms: int, reserved: int, billable: int, overshoot: int) -> UserLedger:
+    """Settle an attempt's token reservation once: ``reserved`` leaves the window's ``tokens_reserved``
+    and ``billable`` joins its ``tokens_used`` (a retired window keeps no counters). The attempt that
+    held it is dropped by the same command (every settlement is followed by the terminal event or the
+    return to admission), so its ``tokens_reserved`` is left as it is rather than copying the records."""
+    window = state.windows.get(window_start_ms)
+    if window is not None:
+        window = with_changes(
+            window,
+            tokens_reserved=window.tokens_reserved - reserved,
+            tokens_used=window.tokens_used + billable,
+            tokens_overshoot=window.tokens_overshoot + overshoot,
+        )
+        state = with_changes(state, windows=_put_window(state, window))
+    return state
 
 
 def _declined(state: UserLedger, e: ev.AttemptDeclined) -> UserLedger:
@@ -239,8 +270,17 @@ def _failed(state: UserLedger, e: ev.GenerationFailed) -> UserLedger:
 
 def _usage(state: UserLedger, e: ev.UsageRecorded) -> UserLedger:
     usage = dict(state.usage)
-    usage[usage_key(e.generation_id, e.epoch)] = UsageEntry(e.input_tokens, e.output_tokens, e.terminal_reason)
-    return with_changes(state, usage=usage)
+    billable = billable_of(e)
+    usage[usage_key(e.generation_id, e.epoch)] = UsageEntry(
+        e.input_tokens, e.output_tokens, e.terminal_reason, e.requested_output_tokens, e.delivered_tokens, billable
+    )
+    state = with_changes(state, usage=usage)
+    return _settle_tokens(state, e, e.window_start_ms, e.tokens_reserved, billable, e.overshoot_tokens)
+
+
+def billable_of(e: ev.UsageRecorded) -> int:
+    """The tokens a usage record charged; a record from before token budgets names none: its actual usage."""
+    return e.billable_tokens or e.input_tokens + e.output_tokens
 
 
 def _ignored(state: UserLedger, e: ev.LateReportIgnored) -> UserLedger:

@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from control_plane.evolve import evolve
-from control_plane.state import UserLedger, retained_until_ms
+from control_plane.evolve import billable_of, evolve
+from control_plane.state import UserLedger, reservation_id, retained_until_ms
 from schemas import events as ev
 from schemas.codes import ReservationState, SlotReleaseReason
 from schemas.wire import encode
@@ -44,7 +44,24 @@ def check_state(state: UserLedger, concurrency_limit: int | None = None, event_i
         found.append(Violation(invariant, message, user, event_id))
 
     held: Counter[int] = Counter(r.window_start_ms for r in state.reservations.values())
+    tokens_held: Counter[int] = Counter()
+    for record in state.requests.values():
+        attempt = record.attempt
+        if attempt is not None and attempt.tokens_reserved:
+            tokens_held[attempt.window_start_ms] += attempt.tokens_reserved
     for start, window in state.windows.items():
+        # Invariant 11: the token budget. Overshoot (a report above its reservation, bounded per
+        # attempt by the policy) is charged in full, so it is the only way past the budget.
+        if window.token_limit and window.tokens_used + window.tokens_reserved > window.token_limit + window.tokens_overshoot:
+            bad(
+                11,
+                f"window {start}: tokens used {window.tokens_used} + reserved {window.tokens_reserved} > budget "
+                f"{window.token_limit} + overshoot {window.tokens_overshoot}",
+            )
+        if window.tokens_used < 0 or window.tokens_reserved < 0 or window.tokens_overshoot < 0:
+            bad(11, f"window {start}: negative token counter used={window.tokens_used} reserved={window.tokens_reserved}")
+        if window.tokens_reserved != tokens_held[start]:
+            bad(12, f"window {start}: tokens reserved={window.tokens_reserved} but attempts hold {tokens_held[start]}")
         if window.used + window.reserved > window.limit:
             bad(1, f"window {start}: used {window.used} + reserved {window.reserved} > limit {window.limit}")
         if window.used < 0 or window.reserved < 0 or window.released < 0:
@@ -133,6 +150,17 @@ class InvariantMonitor:
     duplicates_skipped: int = 0
     # (user, conversation) -> its history so far (invariant 10).
     _conversations: dict[tuple[str, str], _ConversationHistory] = field(default_factory=dict)
+    # The policy's overshoot bound per attempt (tokens); None: not checked (a ledger audited without it).
+    token_overshoot_max: int | None = None
+    # Token reservations (invariant 12): reservation id -> (user, window, tokens) while unsettled, and
+    # the ids settled so far; (user, window) -> [billable, overshoot] settled in it (invariant 13).
+    _tokens_held: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    _tokens_settled: set[str] = field(default_factory=set)
+    _window_tokens: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+
+    def unsettled_token_reservations(self) -> dict[str, tuple[str, int, int]]:
+        """Token reservations admitted and not yet settled (none once every attempt has ended)."""
+        return dict(self._tokens_held)
 
     def observe_batch(self, events: list[ev.Event] | tuple[ev.Event, ...]) -> list[Violation]:
         """Observe the events of one command (one atomic change), then check the states they touched.
@@ -161,6 +189,13 @@ class InvariantMonitor:
                     f"consumed={consumed} released={released}"
                 )
                 found.append(Violation(2, message, state.user_id, event_id))
+            billable, overshoot = self._window_tokens.get((state.user_id, start), (0, 0))
+            if window.tokens_used != billable or window.tokens_overshoot != overshoot:
+                message = (
+                    f"window {start}: tokens used={window.tokens_used} overshoot={window.tokens_overshoot} but its "
+                    f"usage records charged {billable} (overshoot {overshoot})"
+                )
+                found.append(Violation(13, message, state.user_id, event_id))
         return found
 
     def observe(self, event: ev.Event) -> list[Violation]:
@@ -270,6 +305,69 @@ class InvariantMonitor:
             case _:
                 pass
 
+    def _check_tokens(self, e: ev.Event, bad: Callable[[int, str], None]) -> None:
+        """Invariants 11-13 on the history: an admission fits the budget it applied; each token
+        reservation is settled exactly once, by its release (never started) or its usage record, for
+        the amount it reserved; a usage record's charge follows the settlement rules."""
+        match e:
+            case ev.GenerationAdmitted():
+                if not e.tokens_reserved:
+                    return
+                if e.reservation_id in self._tokens_held or e.reservation_id in self._tokens_settled:
+                    bad(12, f"token reservation {e.reservation_id} admitted twice")
+                if e.token_limit:
+                    live = self.states.get(e.user_id)
+                    window = live.windows.get(e.window_start_ms) if live is not None else None
+                    used = window.tokens_used - window.tokens_overshoot if window is not None else 0
+                    held = window.tokens_reserved if window is not None else 0
+                    if used + held + e.tokens_reserved > e.token_limit:
+                        bad(11, f"window {e.window_start_ms}: {used} used + {held} reserved + {e.tokens_reserved} > budget {e.token_limit}")
+                self._tokens_held[e.reservation_id] = (e.user_id, e.window_start_ms, e.tokens_reserved)
+            case ev.ReservationReleased() if e.tokens_released:
+                self._settle_tokens(e.user_id, e.reservation_id, e.window_start_ms, e.tokens_released, 0, 0, bad)
+            case ev.UsageRecorded():
+                rid = reservation_id(e.generation_id, e.epoch)
+                billable = billable_of(e)
+                if e.tokens_reserved:
+                    self._settle_tokens(e.user_id, rid, e.window_start_ms, e.tokens_reserved, billable, e.overshoot_tokens, bad)
+                    if e.overshoot_tokens != max(0, billable - e.tokens_reserved):
+                        bad(13, f"usage of {rid}: overshoot {e.overshoot_tokens} but {billable} charged on {e.tokens_reserved} reserved")
+                    if self.token_overshoot_max is not None and e.overshoot_tokens > self.token_overshoot_max:
+                        bad(13, f"usage of {rid}: overshoot {e.overshoot_tokens} > bound {self.token_overshoot_max}")
+                    if billable < min(e.input_tokens + e.output_tokens, e.tokens_reserved):
+                        bad(13, f"usage of {rid}: {billable} charged for {e.input_tokens + e.output_tokens} used")
+                else:
+                    spent = self._window_tokens.setdefault((e.user_id, e.window_start_ms), [0, 0])
+                    spent[0] += billable
+                if e.delivered_tokens > e.output_tokens:
+                    bad(13, f"usage of {rid}: {e.delivered_tokens} delivered > {e.output_tokens} generated")
+            case ev.QuotaWindowRetired():
+                billable, _ = self._window_tokens.get((e.user_id, e.window_start_ms), (0, 0))
+                if e.tokens_used != billable:
+                    bad(13, f"window {e.window_start_ms} retired with tokens_used={e.tokens_used} but usage records charged {billable}")
+            case _:
+                pass
+
+    def _settle_tokens(
+        self,
+        user_id: str,
+        rid: str,
+        window_start_ms: int,
+        reserved: int,
+        billable: int,
+        overshoot: int,
+        bad: Callable[[int, str], None],
+    ) -> None:
+        held = self._tokens_held.pop(rid, None)
+        if held is None:
+            bad(12, f"token reservation {rid} settled {'twice' if rid in self._tokens_settled else 'but never held'}")
+        elif held[1:] != (window_start_ms, reserved):
+            bad(12, f"token reservation {rid} of {held[2]} in window {held[1]} settled as {reserved} in {window_start_ms}")
+        self._tokens_settled.add(rid)
+        spent = self._window_tokens.setdefault((user_id, window_start_ms), [0, 0])
+        spent[0] += billable
+        spent[1] += overshoot
+
     def _check_history(self, e: ev.Event) -> list[Violation]:
         found: list[Violation] = []
 
@@ -277,6 +375,7 @@ class InvariantMonitor:
             found.append(Violation(invariant, message, e.user_id, e.event_id))
 
         self._check_key(e, bad)
+        self._check_tokens(e, bad)
         if isinstance(e, _CONVERSATION_EVENTS):
             self._check_conversation(e, bad)
             return found

@@ -25,6 +25,22 @@ class ModelEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class RiskLimits:
+    """The limits of one account risk class; each applies as a ceiling on the tier's (the stricter
+    wins). ``None`` leaves the tier's limit as it is."""
+
+    quota_limit: int | None = None  # messages per window
+    token_budget: int | None = None  # tokens per window (input + output)
+    concurrency_limit: int | None = None  # active generations (the burst an account may start)
+
+
+# Shipped risk classes (``CHATPLANE_RISK_CLASSES`` replaces them).
+DEFAULT_RISK_CLASSES: dict[str, RiskLimits] = {
+    "elevated": RiskLimits(quota_limit=10, token_budget=20_000, concurrency_limit=1),
+}
+
+
+@dataclass(frozen=True, slots=True)
 class Policy:
     quota_limit_by_tier: dict[Tier, int] = field(default_factory=lambda: {Tier.FREE: 40, Tier.PAID: 200})
     window_ms: int = WINDOW_MS
@@ -59,10 +75,49 @@ class Policy:
     # The model catalog's core view (alias -> version, pool, tiers). Empty here: the processes fill it
     # from the one catalog file (projections.shared.catalog), tests and the simulator from their own.
     models: dict[str, ModelEntry] = field(default_factory=dict)
+    # Token budget per tier and window, in tokens (input + output); 0 = off. Off by default for every
+    # tier: the message quota alone is today's contract, and a budget changes who gets refused, so an
+    # operator turns it on (CHATPLANE_TOKEN_BUDGET_FREE / _PAID). docs/core.md, "Token budget".
+    token_budget_by_tier: dict[Tier, int] = field(default_factory=lambda: {Tier.FREE: 0, Tier.PAID: 0})
+    # A finished attempt's report above its reservation is charged in full up to this many tokens past
+    # it (recorded as overshoot); a report beyond is charged at the bound (its generated count is kept).
+    token_overshoot_max: int = 256
+    # A reservation whose report was lost (lease or run deadline, worker gone) settles at the input +
+    # the last renewal's output tokens + this bound, at most the reservation: what a worker may have
+    # generated after its last renewal (one renewal interval of decoding).
+    token_lost_report_bound: int = 512
+    # Account risk classes (name -> stricter limits), and the per-account setting naming an account's
+    # class (user id -> class); a submit's claim may name one too. Both apply (the stricter wins).
+    risk_classes: dict[str, RiskLimits] = field(default_factory=lambda: dict(DEFAULT_RISK_CLASSES))
+    risk_class_by_user: dict[str, str] = field(default_factory=dict)
 
     def quota_limit(self, tier: Tier) -> int:
         return self.quota_limit_by_tier[tier]
 
+    def token_budget(self, tier: Tier) -> int:
+        return self.token_budget_by_tier.get(tier, 0)
+
+    def risk_limits(self, user_id: str, claimed: str) -> tuple[str, RiskLimits | None]:
+        """The risk class that applies to this account and its limits (the stricter of the claim's
+        class and the per-account setting's); ("", None) when neither names a known class."""
+        if not claimed and not self.risk_class_by_user:
+            return "", None
+        names = [n for n in (claimed, self.risk_class_by_user.get(user_id, "")) if n and n in self.risk_classes]
+        if not names:
+            return "", None
+        if len(names) == 1 or names[0] == names[1]:
+            return names[0], self.risk_classes[names[0]]
+        a, b = (self.risk_classes[n] for n in names)
+        return "+".join(sorted(names)), RiskLimits(
+            quota_limit=_stricter(a.quota_limit, b.quota_limit),
+            token_budget=_stricter(a.token_budget, b.token_budget),
+            concurrency_limit=_stricter(a.concurrency_limit, b.concurrency_limit),
+        )
+
     def window_start_ms(self, at_ms: int) -> int:
         """Start of the UTC-aligned window containing ``at_ms`` (epoch ms are UTC)."""
         return at_ms - at_ms % self.window_ms
+
+
+def _stricter(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)

@@ -41,6 +41,9 @@ class Attempt:
     # The window this epoch's reservation is charged to; kept here because a long generation can
     # outlive its window's retirement (which drops the reservation) and its usage still names it.
     window_start_ms: int = 0
+    # The epoch's token reservation (input + max output), held from admission until its usage
+    # record settles it (or its release, if it never started); 0 once settled, or before budgets.
+    tokens_reserved: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +76,8 @@ class RequestRecord:
     detach_reason: CancelReason | None = None
     conversation_id: str = ""  # the conversation this generation answers a turn of ("" = stateless)
     terminal_sequence: int = 0  # the terminal event's sequence (its SSE id); 0: after the last stored delta
+    refusal_kind: str = ""  # for a quota refusal: "tokens" when the token budget refused ("" = messages)
+    token_limit: int = 0  # for a token refusal: the budget that applied
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,12 @@ class QuotaWindow:
     used: int = 0  # reservations consumed in this window
     reserved: int = 0  # reservations still RESERVED (each one is in ``UserLedger.reservations``)
     released: int = 0  # reservations released in this window
+    # Token budget (docs/core.md, "Token budget"): 0 = none for this window's tier. Tokens are
+    # counted even without a budget (``GET /v1/usage``); the budget only refuses when it is set.
+    token_limit: int = 0
+    tokens_used: int = 0  # settled: billable tokens of the usage records charged here
+    tokens_reserved: int = 0  # held by attempts not yet settled (each one's ``Attempt.tokens_reserved``)
+    tokens_overshoot: int = 0  # the part of ``tokens_used`` charged above its reservations (bounded per attempt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +111,11 @@ class Reservation:
 @dataclass(frozen=True, slots=True)
 class UsageEntry:
     input_tokens: int
-    output_tokens: int
+    output_tokens: int  # generated
     terminal_reason: str
+    requested_output_tokens: int = 0
+    delivered_tokens: int = 0
+    billable_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from edge.deps import new_request_id
 from edge.settings import EdgeSettings
 from edge.uvicorn_adapter import bounded_h11_protocol
 from projections.readmodel.schema import ReadModelSettings
-from projections.shared import memtrace
+from projections.shared import memtrace, tracing
 from projections.shared.malloc_tuning import tune_malloc
 from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
@@ -103,6 +103,9 @@ def uvicorn_config(app: FastAPI, settings: EdgeSettings, **overrides: Any) -> uv
         # limit_concurrency would count only once a request head is read.
         limit_concurrency=None,
         timeout_keep_alive=15,
+        # The client address is the socket peer unless it is a configured trusted proxy (edge/client_ip.py);
+        # uvicorn's own rewriting would believe X-Forwarded-For from 127.0.0.1 (FORWARDED_ALLOW_IPS).
+        proxy_headers=False,
         http=bounded_h11_protocol(
             head_timeout_s=settings.request_head_timeout_s,
             connections_max=settings.connections_max,
@@ -131,6 +134,7 @@ def main() -> None:
         if settings.read_model:
             # The read model opens lazily; its settings (CHATPLANE_CASSANDRA_*, ...) are checked now.
             ReadModelSettings()
+        tracing.configure("chatplane-edge")
     except SettingsError as exc:
         exit_on_settings_error(exc)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -139,7 +143,10 @@ def main() -> None:
     memtrace.maybe_start("edge")
     if settings.uses_dev_secrets:
         log.warning("development mode: built-in development secrets in use (never outside a development machine)")
-    app = create_app(settings)
+    try:
+        app = create_app(settings)  # reads the policy checks' settings too (a bad blocklist stops here)
+    except SettingsError as exc:
+        exit_on_settings_error(exc)
     warn_if_descriptors_short(settings.connections_max)
     config = uvicorn_config(app, settings, log_level=level.lower())
     server = DrainingServer(config, app.state.edge)

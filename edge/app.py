@@ -32,8 +32,10 @@ from edge import errors
 from edge.admission import AdmissionProbe
 from edge.auth import Authenticator
 from edge.capacity import CapacityReader, CapacityView
+from edge.client_ip import ClientAddresses, IpLimiter
 from edge.deps import new_request_id
 from edge.metrics import EdgeMetrics
+from edge.outcomes import OutcomeLog, OutcomeMiddleware
 from edge.ratelimit import TokenBuckets
 from edge.history import History
 from edge.readmodel import ReadModel
@@ -48,6 +50,7 @@ from projections.shared.catalog import load_catalog
 from projections.shared.command_client import CommandClient
 from projections.shared.gc_tuning import tune_gc
 from projections.shared.kafka_settings import producer_kwargs
+from projections.shared.policy_checks import PolicySettings, load_policy_check
 from schemas.codes import RequestStatus
 from schemas.messages import ChatMessage
 from schemas.wire import WIRE_CONTENT_MESSAGE_BYTES_MAX
@@ -74,10 +77,29 @@ class Edge:
             settings.edge_replicas,
             settings.users_sticky,
         )
+        # The per-address bucket, taken before authentication (edge/client_ip.py): this edge's share.
+        self.ip_limiter = IpLimiter.for_fleet(
+            ClientAddresses(
+                settings.trusted_proxies, settings.client_ip_header, settings.client_ip_hops_max,
+                settings.ipv4_prefix, settings.ipv6_prefix,
+            ),
+            settings.ip_rate_per_s, settings.ip_burst, settings.ip_buckets_max, settings.edge_replicas,
+        )
+        # The prompt check before admission (projections/shared/policy_checks.py); None: no check.
+        self.policy_check = load_policy_check() if PolicySettings().prompts else None
         # This process as a reader of its clients' generations: new at every start (edge/presence.py).
         self.edge_id = uuid.uuid4().hex
         self.hub = StreamHub(settings, self.metrics, self.edge_id)
         self.presence = PresenceBeacon(self.edge_id, settings.topology, settings.presence_interval_s, self.metrics)
+        # One content-free record per admission request, for the SLO report (edge/outcomes.py).
+        self.outcomes = (
+            OutcomeLog(
+                settings.topology.outcomes.name, settings.outcomes_buffer_max, settings.outcomes_batch_max,
+                settings.outcomes_flush_interval_s, settings.outcomes_flush_timeout_s, self.metrics,
+            )
+            if settings.outcomes
+            else None
+        )
         self.capacity = CapacityView(
             settings.heartbeat_stale_ms,
             settings.generation_service_ms_estimate,
@@ -129,6 +151,8 @@ class Edge:
         await self._producer.start()
         self.hub.producer = self._producer
         self.presence.start(self._producer)
+        if self.outcomes is not None:
+            self.outcomes.start(self._producer)
         if s.capacity_check:
             self._capacity_reader = CapacityReader(s.kafka_bootstrap, s.topology, self.capacity)
             await self._capacity_reader.start()
@@ -147,6 +171,8 @@ class Edge:
         await self.presence.stop()
         if self._capacity_reader is not None:
             await self._capacity_reader.stop()
+        if self.outcomes is not None:
+            await self.outcomes.stop()  # before the producer: what is buffered is flushed on it
         if self._producer is not None:
             await self._producer.stop()
         if self.client is not None:
@@ -255,6 +281,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)
     app.add_exception_handler(Exception, errors.unexpected_error_handler)
 
+    app.add_middleware(OutcomeMiddleware, edge=edge)  # inside RequestIdMiddleware: it reads the request id
     app.add_middleware(RequestIdMiddleware)
     if edge.settings.cors_origin_list:
         # Outermost: a preflight is answered before authentication. Bearer tokens travel in a header,

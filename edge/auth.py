@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ log = logging.getLogger("chatplane.edge.auth")
 
 AUTH_HEADER_BYTES_MAX = 8 * 1024
 USER_ID_CHARS_MAX = 128
+_RISK_CLASS = re.compile(r"^[a-z0-9_]{0,32}$")  # as schemas.commands.RiskClassName
 # Verified tokens remembered (token -> principal, until its expiry): a client streams many requests
 # with one token, and signature checks were a tenth of the edge's CPU per request. Bounded LRU.
 VERIFIED_TOKENS_MAX = 50_000
@@ -40,6 +42,9 @@ class _UnknownKid(Exception):
 class Principal:
     user_id: str
     tier: Tier
+    # The account's risk class from the token's ``risk_class`` claim ("" = none): the processor
+    # applies its stricter limits (docs/core.md, "Account risk classes").
+    risk_class: str = ""
 
 
 class Authenticator:
@@ -134,14 +139,25 @@ class Authenticator:
             tier = Tier(claims.get("tier", Tier.FREE.value))
         except ValueError:
             raise ApiError(RejectionCode.UNAUTHORIZED) from None
+        risk_class = claims.get("risk_class", "")
+        if not isinstance(risk_class, str) or not _RISK_CLASS.match(risk_class):
+            raise ApiError(RejectionCode.UNAUTHORIZED)
         # Remembered until expiry as checked here (the leeway is not extended to cached tokens).
-        return Principal(user_id=sub, tier=tier), float(claims["exp"])
+        return Principal(user_id=sub, tier=tier, risk_class=risk_class), float(claims["exp"])
 
 
-def mint(settings: EdgeSettings, user_id: str, tier: Tier, ttl_s: int = 3600, private_key: str | None = None, kid: str = "") -> str:
+def mint(
+    settings: EdgeSettings,
+    user_id: str,
+    tier: Tier,
+    ttl_s: int = 3600,
+    private_key: str | None = None,
+    kid: str = "",
+    risk_class: str = "",
+) -> str:
     """A token for local use (HS256 with the configured secret, or RS256 with ``private_key``)."""
     now = int(time.time())
-    claims = {
+    claims: dict[str, object] = {
         "sub": user_id,
         "tier": tier.value,
         "iss": settings.jwt_issuer,
@@ -149,6 +165,8 @@ def mint(settings: EdgeSettings, user_id: str, tier: Tier, ttl_s: int = 3600, pr
         "iat": now,
         "exp": now + ttl_s,
     }
+    if risk_class:
+        claims["risk_class"] = risk_class
     if private_key is not None:
         return jwt.encode(claims, private_key, algorithm="RS256", headers={"kid": kid})
     return jwt.encode(claims, settings.jwt_secret, algorithm="HS256")

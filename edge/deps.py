@@ -13,7 +13,9 @@ from fastapi import Depends, Header, Request
 
 from edge.auth import Principal
 from edge.errors import ApiError
-from schemas.codes import RejectionCode
+from edge.outcomes import note_user
+from schemas.codes import RateLimitScope, RejectionCode
+from schemas.messages import RejectionDetails
 
 IDEMPOTENCY_KEY_CHARS_MAX = 255
 
@@ -27,8 +29,19 @@ async def edge_state(request: Request):  # -> edge.app.Edge (not imported: avoid
 
 
 async def principal(request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> Principal:
-    """The bearer token's principal (declared in the spec as the ``bearer`` security scheme)."""
-    return await request.app.state.edge.auth.authenticate_async(authorization)
+    """The bearer token's principal (declared in the spec as the ``bearer`` security scheme).
+
+    First the client address's burst bucket (edge/client_ip.py), before any work on the token: a
+    flood of bad tokens or new accounts from one address is refused for the price of a look-up."""
+    edge = request.app.state.edge
+    wait_s = edge.ip_limiter.take(request.scope)
+    if wait_s > 0:
+        raise ApiError(
+            RejectionCode.RATE_LIMITED, RejectionDetails(retry_after_ms=int(wait_s * 1000)), scope=RateLimitScope.IP
+        )
+    found = await edge.auth.authenticate_async(authorization)
+    note_user(request, found.user_id)  # the outcome record's opaque user reference (edge/outcomes.py)
+    return found
 
 
 async def idempotency_key(idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> str:

@@ -21,7 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from schemas.codes import REJECTIONS, RejectionCode
+from edge.outcomes import note_refusal
+from schemas.codes import REJECTIONS, RateLimitScope, RejectionCode
 from schemas.messages import RejectionDetails
 
 # Statuses whose answers carry Retry-After when the decision gave a delay (RFC 9110 10.2.3).
@@ -50,6 +51,7 @@ class ApiError(Exception):
         retry_after_s: float | None = None,
         headers: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
+        scope: RateLimitScope | None = None,
     ) -> None:
         super().__init__(code.value)
         self.code = code
@@ -58,6 +60,8 @@ class ApiError(Exception):
         self.retry_after_s = retry_after_s
         self.headers = headers or {}
         self.extra = extra or {}
+        # rate_limited: which bucket refused (details.scope), the user's or the client address's.
+        self.scope = scope
 
 
 def details_json(details: RejectionDetails, field: str | None = None) -> dict[str, Any]:
@@ -72,6 +76,8 @@ def details_json(details: RejectionDetails, field: str | None = None) -> dict[st
         out["retry_after_ms"] = details.retry_after_ms
     if details.revision is not None:
         out["revision"] = details.revision
+    if details.kind is not None:
+        out["kind"] = details.kind  # which limit refused: "tokens" (absent: the message quota or slots)
     if field is not None:
         out["field"] = field
     return out
@@ -95,6 +101,8 @@ def error_body(code: RejectionCode, request_id: str, details: dict[str, Any], ex
 def error_response(err: ApiError, request_id: str) -> Response:
     spec = REJECTIONS[err.code]
     details = details_json(err.details, err.field)
+    if err.scope is not None:
+        details["scope"] = err.scope.value
     headers = {"Cache-Control": "no-store", "X-Request-Id": request_id, **err.headers}
     retry_after_s = err.retry_after_s
     if retry_after_s is None and err.details.retry_after_ms is not None:
@@ -132,6 +140,7 @@ def request_id_of(request: Request) -> str:
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
+    note_refusal(request, exc.code)
     return error_response(exc, request_id_of(request))
 
 
@@ -142,6 +151,7 @@ async def validation_error_handler(request: Request, exc: Exception) -> Response
     if errors:
         loc = [str(p) for p in errors[0].get("loc", ()) if p not in ("body",)]
         where = ".".join(loc) or "body"
+    note_refusal(request, RejectionCode.INVALID_REQUEST)
     return error_response(ApiError(RejectionCode.INVALID_REQUEST, field=where), request_id_of(request))
 
 

@@ -21,6 +21,7 @@ SLOW_CONSUMER_LIMITS = ("stream_bytes", "aggregate_bytes", "result_bytes", "resu
 ADMISSION_PROBE_RESULTS = ("up", "timeout", "error")
 CONNECTION_CLOSE_REASONS = ("head_timeout", "connections_max")
 SHED_REASONS = ("decisions_late", "edge_busy", "in_flight_limit")  # edge.shedding
+OUTCOME_DROP_REASONS = ("buffer_full", "send_failed")  # edge.outcomes
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -118,3 +119,12 @@ class EdgeMetrics:
             self.admission_probes.labels(result)
         for reason in CONNECTION_CLOSE_REASONS:
             self.connections_closed.labels(reason)
+        # Outcome records (edge/outcomes.py, docs/slo.md): never blocking a request, so a full buffer
+        # or a failed send drops the record and counts it here.
+        self.outcomes_dropped = Counter(
+            "chatplane_edge_outcomes_dropped",
+            "Outcome records (one per admission request) dropped: buffer full or the send failed.",
+            ["reason"], registry=r,
+        )
+        for reason in OUTCOME_DROP_REASONS:
+            self.outcomes_dropped.labels(reason)

@@ -119,6 +119,7 @@ _ERROR_TYPES = {
     404: "not_found_error",
     409: "conflict_error",
     410: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
 }
 
@@ -139,7 +140,7 @@ def openai_error_response(err: ApiError, request_id: str) -> Response:
     spec = REJECTIONS[err.code]
     extra = {k: v for k, v in err.extra.items() if k in ("generation_id", "status", "partial")}
     details = orjson.loads(native.body)["error"]["details"]
-    for key in ("limit", "remaining", "reset_at", "retry_after_ms"):
+    for key in ("limit", "remaining", "reset_at", "retry_after_ms", "scope"):
         if key in details:
             extra[key] = details[key]
     body = error_object(err.code.value, spec.message, error_type(err.code), err.field, request_id=request_id, **extra)

@@ -4,7 +4,8 @@
 differs from what the app serves. FastAPI's generated document is adjusted in one place here: the
 request body is a named component (the route reads the body itself, to count bytes while reading),
 bearer authentication is a security scheme, ``Idempotency-Key`` is a required header, and FastAPI's
-default 422 answers are removed (the edge answers every validation failure as a typed 400). The
+default 422 answers are removed (the edge answers every validation failure as a typed 400; its own
+422 is ``output_refused``). The
 request body's bounds are the app's settings (``request_model_for``): the committed file shows the
 defaults.
 """
@@ -37,7 +38,8 @@ def build(app: FastAPI) -> dict[str, Any]:
     spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"}}
     for path, ops in spec["paths"].items():
         for op in ops.values():
-            op.get("responses", {}).pop("422", None)
+            if op.get("responses", {}).get("422", {}).get("description") == "Validation Error":
+                op["responses"].pop("422")  # FastAPI's default; the edge's own 422 (output_refused) stays
             if path.startswith("/v1/"):
                 op["security"] = [{"bearer": []}]
                 op["responses"].setdefault("401", {"description": "unauthorized", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorDocument"}}}})

@@ -12,6 +12,11 @@ quota and concurrency limits stay exact in the core.
 
 The table of buckets is bounded (``users_max``); the least recently used user's bucket is dropped,
 which is safe because a dropped bucket was idle (it refills to full while idle anyway).
+
+The same class also holds the per-client-address buckets (``edge.client_ip.IpLimiter``), taken before
+authentication. Their rule differs in one point: the load balancer is sticky by user, never by address,
+so one address's requests reach every replica, and each replica always holds a preallocated share,
+``burst / replicas`` tokens refilled at ``rate / replicas`` (``CHATPLANE_EDGE_IP_*``, docs/edge.md).
 """
 
 from __future__ import annotations

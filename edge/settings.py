@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from control_plane.policy import Policy
+from edge.client_ip import IPNetwork, parse_networks
 from projections.shared.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
 from projections.shared.settings import DEV_MODE_ENV, SettingsError, env_var, policy_from_env, setting
 from schemas.topics import Topology
@@ -90,6 +91,22 @@ class EdgeSettings:
     # then sized capacity / replicas so the fleet never admits more than one global bucket.
     edge_replicas: int = setting("CHATPLANE_EDGE_REPLICAS", 1, ge=1)
     users_sticky: bool = setting("CHATPLANE_EDGE_USERS_STICKY", True)
+    # Burst token bucket per client address (edge/client_ip.py), taken before authentication: the
+    # fleet's rate and burst, of which this edge holds the share 1 / edge_replicas (addresses are not
+    # sticky). Burst or rate 0: off. At most ip_buckets_max addresses are tracked (least recent dropped).
+    ip_rate_per_s: float = setting("CHATPLANE_EDGE_IP_RATE_PER_S", 20.0, ge=0)
+    ip_burst: float = setting("CHATPLANE_EDGE_IP_BURST", 200.0, ge=0)
+    ip_buckets_max: int = setting("CHATPLANE_EDGE_IP_BUCKETS_MAX", 100_000, ge=1)
+    # Peers (CIDRs, comma-separated) whose forwarding header is believed; none by default: the socket
+    # peer is the client. The header is read from the right, at most client_ip_hops_max entries.
+    trusted_proxies: tuple[IPNetwork, ...] = setting(
+        "CHATPLANE_EDGE_TRUSTED_PROXIES", (), parse=parse_networks, expected="comma-separated CIDRs"
+    )
+    client_ip_header: str = setting("CHATPLANE_EDGE_CLIENT_IP_HEADER", "X-Forwarded-For")
+    client_ip_hops_max: int = setting("CHATPLANE_EDGE_CLIENT_IP_HOPS_MAX", 16, ge=1, le=256)
+    # One bucket per network of this prefix length (an IPv6 subscriber usually holds a whole /64).
+    ipv4_prefix: int = setting("CHATPLANE_EDGE_IPV4_PREFIX", 32, ge=0, le=32)
+    ipv6_prefix: int = setting("CHATPLANE_EDGE_IPV6_PREFIX", 64, ge=0, le=128)
 
     decision_timeout_s: float = setting("CHATPLANE_EDGE_DECISION_TIMEOUT_S", 2.0, gt=0)
     # A submit carries a decision deadline this much before the edge stops waiting for its decision
@@ -151,6 +168,16 @@ class EdgeSettings:
     recent_generations_max: int = setting("CHATPLANE_EDGE_RECENT_GENERATIONS_MAX", 100_000, ge=0)
     # Final text of completed generations this edge served, kept for same-key retries (oldest dropped).
     result_cache_bytes_max: int = setting("CHATPLANE_EDGE_RESULT_CACHE_BYTES_MAX", 64 * 1024 * 1024, ge=0)
+
+    # Outcome records (edge/outcomes.py, docs/slo.md): one content-free EdgeOutcome per admission request
+    # on the outcomes topic, for the SLO report. Buffered (at most buffer_max records; a full buffer
+    # drops and counts, never blocks a request), sent in batches of at most batch_max every flush
+    # interval, and flushed on shutdown for at most the flush timeout.
+    outcomes: bool = setting("CHATPLANE_EDGE_OUTCOMES", True)
+    outcomes_buffer_max: int = setting("CHATPLANE_EDGE_OUTCOMES_BUFFER_MAX", 10_000, ge=1)
+    outcomes_batch_max: int = setting("CHATPLANE_EDGE_OUTCOMES_BATCH_MAX", 500, ge=1)
+    outcomes_flush_interval_s: float = setting("CHATPLANE_EDGE_OUTCOMES_FLUSH_INTERVAL_S", 0.5, gt=0)
+    outcomes_flush_timeout_s: float = setting("CHATPLANE_EDGE_OUTCOMES_FLUSH_TIMEOUT_S", 5.0, gt=0)
 
     policy: Policy = field(default_factory=policy_from_env)
 

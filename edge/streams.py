@@ -90,6 +90,7 @@ class GenerationStream:
     finalized: GenerationFinalized | None = None
     terminal_status: RequestStatus | None = None
     first_delta_seen: bool = False
+    first_token_s: float | None = None  # monotonic time the first text delta was forwarded (edge/outcomes.py)
     closed: bool = False  # ended without a committed terminal state (drain past its deadline)
     result_parts: list[str] = field(default_factory=list)
     result_bytes: int = 0
@@ -220,6 +221,7 @@ class StreamHub:
             if view is not None and view.status is RequestStatus.QUEUED:
                 view.status = RequestStatus.RUNNING
             now = time.monotonic()
+            stream.first_token_s = now
             self.metrics.first_token.observe(now - stream.received_s)
             self.metrics.queue_age.observe(now - stream.admitted_s)
         self._collect(stream, d.text)

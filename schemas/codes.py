@@ -77,6 +77,8 @@ class FinishReason(StrEnum):
     ABORT_NOT_ACKNOWLEDGED = "abort_not_acknowledged"  # the engine never acknowledged the abort
     ENGINE_ENDED_WITHOUT_FINISH = "engine_ended_without_finish"  # the engine's stream ended without its end
     ENGINE_ERROR = "engine_error"  # the engine failed (its reason stays in the worker's log)
+    # The worker's output check (projections/shared/policy_checks.py) refused the text: stopped.
+    OUTPUT_REFUSED = "output_refused"
 
 
 class CancelReason(StrEnum):
@@ -121,6 +123,13 @@ class ClientAction(StrEnum):
     NONE = "none"
 
 
+class RateLimitScope(StrEnum):
+    """Which burst bucket refused a ``rate_limited`` answer (its ``details.scope``; docs/edge.md)."""
+
+    USER = "user"  # the principal's bucket (after authentication)
+    IP = "ip"  # the client address's bucket (before authentication: edge/client_ip.py)
+
+
 class RejectionCode(StrEnum):
     INVALID_REQUEST = "invalid_request"
     UNAUTHORIZED = "unauthorized"
@@ -142,6 +151,10 @@ class RejectionCode(StrEnum):
     # committed one, and the history store (Cassandra) unreachable for a conversation read or turn.
     CONVERSATION_CONFLICT = "conversation_conflict"
     HISTORY_UNAVAILABLE = "history_unavailable"
+    # Policy checks at their boundaries (docs/policy.md): the edge's prompt check refused the request
+    # before admission (nothing reserved), or the worker's output check stopped the generation.
+    PROMPT_REFUSED = "prompt_refused"
+    OUTPUT_REFUSED = "output_refused"
     # Not in the client table: answers to workers and to look-ups of unknown ids.
     NOT_FOUND = "not_found"
     STALE_ATTEMPT = "stale_attempt"
@@ -183,6 +196,8 @@ REJECTIONS: dict[RejectionCode, RejectionSpec] = {
         _spec(_C.GENERATION_TIMEOUT, 504, False, _A.MANUAL_REGENERATE, "The generation ran past its deadline; inspect the generation."),
         _spec(_C.CONVERSATION_CONFLICT, 409, False, _A.RELOAD_CONVERSATION, "The conversation changed since the revision you sent; reload it and send again."),
         _spec(_C.HISTORY_UNAVAILABLE, 503, True, _A.RETRY_AFTER_DELAY, "Conversation history is temporarily unavailable; stateless requests still work."),
+        _spec(_C.PROMPT_REFUSED, 400, False, _A.CHANGE_REQUEST, "The request was refused by a content policy; change it before sending again."),
+        _spec(_C.OUTPUT_REFUSED, 422, False, _A.CHANGE_REQUEST, "The answer was stopped by a content policy; change the request before sending again."),
         _spec(_C.NOT_FOUND, 404, False, _A.NONE, "No such generation."),
         _spec(_C.STALE_ATTEMPT, 409, False, _A.NONE, "The attempt is fenced, stale or owned elsewhere."),
     )

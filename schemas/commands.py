@@ -28,6 +28,7 @@ ConversationId = Annotated[str, Field(min_length=0, max_length=64)]
 ReaderId = Annotated[str, Field(min_length=0, max_length=64)]
 # How long a detached generation waits for a reader to reattach before it is cancelled.
 DETACH_GRACE_MS_MAX = 3_600_000
+RiskClassName = Annotated[str, Field(min_length=0, max_length=32, pattern=r"^[a-z0-9_]*$")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,10 @@ class SubmitGeneration:
     # The revision the issuer read from a parked conversation's stored row (-1: none). The processor
     # restores a conversation it parked from this only if the command is not late (``decide_by_ms``).
     restore_revision: Annotated[int, Field(ge=-1, le=10_000_000)] = -1
+    # The account's risk class from its token's claim ("" = none); the processor's per-account
+    # setting may add one. Each names stricter limits (quota, tokens, concurrency) applied in the
+    # same decision (docs/core.md, "Account risk classes").
+    risk_class: RiskClassName = ""
     reply_to: ReplyTo | None = None
 
 
@@ -250,6 +255,11 @@ class ReportAttemptFinished:
     # The sequence of the last text delta sent to the client (0: none): the terminal event's id is
     # the next one, fixed with the terminal state (resumable streams, docs/edge.md).
     last_sequence: Count = 0
+    # Output tokens the worker published to the client's stream (<= output_tokens: a stop can
+    # generate tokens that are never sent). None: a worker from before the field (taken as all).
+    delivered_tokens: Count | None = None
+    # Acceptance -> the engine's first token, in ms (None: no token came); recorded with the usage.
+    ttft_ms: Count | None = None
     reply_to: ReplyTo | None = None
 
 
@@ -279,6 +289,7 @@ class QueryUsage:
     user_id: Id
     issued_at_ms: Millis
     tier: Tier
+    risk_class: RiskClassName = ""  # as SubmitGeneration.risk_class: the limits reported are the account's
     reply_to: ReplyTo | None = None
 
 

@@ -65,6 +65,13 @@ class GenerationAdmitted(_EventBase):
     reconcile_deadline_ms: int
     reader_id: str
     reply_to: ReplyTo | None = None
+    # Token budget (docs/core.md, "Token budget"); absent from events recorded before it: 0 = none.
+    # ``tokens_reserved`` (input + max output) is held until the attempt's usage settles it (or its
+    # release, if it never started); ``window_token_limit`` is the tier's budget for the window.
+    tokens_reserved: int = 0
+    window_token_limit: int = 0
+    token_limit: int = 0  # the budget this decision applied (the tier's or a stricter risk class's); 0 = none
+    risk_class: str = ""  # the risk class whose limits applied ("" = none)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +98,10 @@ class AdmissionRejected(_EventBase):
     # (code quota_service_unavailable): when the processor read it and the deadline it carried.
     read_at_ms: int
     decide_by_ms: int
+    # quota_exhausted / concurrency_limited: the limit that refused ("tokens"; "" = messages, as
+    # every refusal before token budgets), and for "tokens" the budget that applied.
+    kind: str = ""
+    token_limit: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +134,8 @@ class ReservationReleased(_EventBase):
     window_start_ms: int
     epoch: int
     reason: FenceReason
+    # The attempt's token reservation, released whole with it (it never started). 0 before budgets.
+    tokens_released: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -240,6 +253,21 @@ class UsageRecorded(_EventBase):
     tier: Tier
     window_start_ms: int
     metering_revision: int = 1
+    # Token settlement (docs/core.md, "Token budget"): this record settles the attempt's token
+    # reservation once. ``input_tokens`` is the admission's count (authoritative); ``output_tokens``
+    # what the worker generated (as reported, never dropped); ``requested_output_tokens`` the
+    # request's max; ``delivered_tokens`` what was sent to the client; ``billable_tokens`` what the
+    # window's ``tokens_used`` was charged; ``overshoot_tokens`` the part of it above the reservation.
+    # Absent from records before budgets (0; ``billable_tokens`` then reads as input + output).
+    requested_output_tokens: int = 0
+    delivered_tokens: int = 0
+    billable_tokens: int = 0
+    tokens_reserved: int = 0
+    overshoot_tokens: int = 0
+    # The worker's time from its acceptance to the engine's first token (ms; None: no token, or a
+    # worker or record from before the field). The SLO report's TTFT falls back to it only where the
+    # edge recorded none (docs/slo.md): it leaves out admission and queueing.
+    ttft_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -269,6 +297,7 @@ class QuotaWindowRetired(_EventBase):
     window_start_ms: int
     used: int
     released: int
+    tokens_used: int = 0  # settled token usage charged to the window (0 before token budgets)
 
 
 # --- conversations (docs/conversations.md) ----------------------------------------------------

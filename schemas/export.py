@@ -6,7 +6,8 @@
 One file per family returned by ``schemas.wire.json_schemas()``: ``commands.json``,
 ``ledger_events.json``, ``messages.json`` and ``ledger_entry.json``; and ``usage.json``, the record
 on the USAGE topic for analysts (a ``UsageRecorded`` event, exactly as the ledger carries it; see
-docs/readmodels.md). The files are generated; edit the dataclasses in ``schemas/`` and re-run this
+docs/readmodels.md); and ``outcomes.json``, the record on the OUTCOMES topic (``EdgeOutcome``, one
+per admission request, read by the SLO report: docs/slo.md). The files are generated; edit the dataclasses in ``schemas/`` and re-run this
 instead of editing them by hand.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from pydantic import TypeAdapter
 
 from schemas.events import UsageRecorded
+from schemas.outcomes import outcome_json_schema
 from schemas.wire import json_schemas
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "docs" / "schemas"
@@ -39,7 +41,7 @@ def usage_schema() -> dict:
 
 def rendered() -> dict[str, str]:
     """File name -> the exact text to commit (sorted keys, two-space indent, trailing newline)."""
-    families = {**json_schemas(), "usage": usage_schema()}
+    families = {**json_schemas(), "usage": usage_schema(), "outcomes": outcome_json_schema()}
     return {
         f"{family}.json": json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
         for family, schema in families.items()

@@ -51,6 +51,9 @@ class RejectionDetails:
     retry_after_ms: int | None = None
     field: str | None = None
     revision: int | None = None  # conversation_conflict: the conversation's committed revision
+    # quota_exhausted / concurrency_limited: which limit refused ("messages", "tokens"); None = messages
+    # (refusals recorded before token budgets existed name none).
+    kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +68,13 @@ class UsageSnapshot:
     remaining: int
     active: int  # concurrency slots held
     concurrency_limit: int
+    # The token budget of the same window (docs/core.md, "Token budget"): 0 = no budget (off).
+    # ``tokens_used`` is settled usage, ``tokens_reserved`` what running or queued generations hold.
+    token_limit: int = 0
+    tokens_used: int = 0
+    tokens_reserved: int = 0
+    tokens_remaining: int = 0
+    risk_class: str = ""  # the account's risk class applied to these limits ("" = none)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

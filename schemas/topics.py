@@ -13,6 +13,7 @@ Data flow (DESIGN section 2)::
     workers --EDGE_INBOX--> edge (deltas);  workers --CAPACITY--> edge admission
     workers --ANSWERS(user_id)--> history writer --Cassandra, then CommitAnswer--> COMMANDS
     edges --EDGE_PRESENCE--> admission processors (liveness leases of the edges holding readers)
+    edges --OUTCOMES(request_id)--> projections.slo (one content-free record per admission request)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ EDGE_INBOX_PARTITIONS = 8
 CAPACITY_PARTITIONS = 1
 EDGE_PRESENCE_PARTITIONS = 1
 DEAD_LETTER_PARTITIONS = 1
+OUTCOMES_PARTITIONS = 4
 
 DAY_MS = 24 * 3600 * 1000
 HOUR_MS = 3600 * 1000
@@ -95,6 +97,10 @@ EDGE_PRESENCE = TopicSpec(
 DEAD_LETTER = TopicSpec(
     "chatplane.dead-letter", DEAD_LETTER_PARTITIONS, 14 * DAY_MS, segment_ms=FINGERPRINT_SEGMENT_MS
 )
+
+# One EdgeOutcome per admission request (schemas/outcomes.py: ids, codes, durations; no text), read by
+# the SLO report (projections/slo, docs/slo.md): kept past a 30-day objective window.
+OUTCOMES = TopicSpec("chatplane.outcomes", OUTCOMES_PARTITIONS, 35 * DAY_MS)
 
 # Tiers: one dispatch topic per (pool, tier); the pools are the model catalog's
 # (projections.shared.catalog), one per model version unless the catalog says otherwise.
@@ -202,6 +208,10 @@ class Topology:
     def answers(self) -> TopicSpec:
         return self._spec(ANSWERS)
 
+    @property
+    def outcomes(self) -> TopicSpec:
+        return self._spec(OUTCOMES)
+
     def dispatch(self, pool: str, tier: str) -> TopicSpec:
         return self._spec(dispatch_topic(pool, tier))
 
@@ -234,6 +244,7 @@ class Topology:
             self.edge_presence,
             self.dead_letter,
             self.answers,
+            self.outcomes,
             self.changelog,
             *dispatch,
             *prompts,

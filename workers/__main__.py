@@ -30,10 +30,13 @@ from projections.shared.catalog import (
     load_catalog,
 )
 from workers.engines.base import Engine
-from projections.shared import memtrace
+from projections.shared import memtrace, tracing
 from projections.shared.malloc_tuning import tune_malloc
 from projections.shared.log_limits import install_log_limits
+from projections.shared.policy_checks import PolicySettings, load_policy_check
 from projections.shared.settings import SettingsError, env_value, exit_on_settings_error, log_level
+from projections.shared.metrics_http import MetricsPortUnavailable, start_metrics_server
+from workers.metrics import WorkerMetrics
 from workers.settings import WorkerSettings
 from workers.worker import MissingTopics, NullResultSink, ResultSink, Worker
 
@@ -136,7 +139,17 @@ async def amain(engine_name: str | None) -> None:
     model, weights = served_model(settings, engine_name)
     sink = build_result_sink(settings)
     replay = build_replay_sink(settings)
-    worker = Worker(settings, build_engine(model, weights), model, result_sink=sink, replay_sink=replay)
+    # The output check between decode steps (docs/policy.md), loaded once; a bad list stops the worker.
+    policy = PolicySettings()
+    metrics = WorkerMetrics()  # served on CHATPLANE_WORKER_METRICS_PORT (docs/metrics.md)
+    worker = Worker(
+        settings, build_engine(model, weights), model, result_sink=sink, replay_sink=replay,
+        policy_check=load_policy_check(policy) if policy.output else None, on_trace=metrics.observe_attempt,
+    )
+    metrics.bind(worker, sink)
+    metrics_server = await start_metrics_server(
+        metrics.registry, settings.metrics_port, host=settings.metrics_host, name="worker"
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -156,6 +169,8 @@ async def amain(engine_name: str | None) -> None:
     finally:
         stopping.cancel()
         await worker.stop()
+        if metrics_server is not None:
+            await metrics_server.close()
         for closeable in (sink, replay):
             close = getattr(closeable, "close", None)
             if close is not None:
@@ -168,6 +183,7 @@ def main() -> None:
     try:
         engine_default = env_value("CHATPLANE_WORKER_ENGINE", None, kind=str, choices=engines)
         level = log_level("INFO")
+        tracing.configure("chatplane-worker")
     except SettingsError as exc:
         exit_on_settings_error(exc)
     parser.add_argument(
@@ -184,7 +200,7 @@ def main() -> None:
         asyncio.run(amain(args.engine))
     except SettingsError as exc:  # a CHATPLANE_* variable of the worker or of its engine
         exit_on_settings_error(exc)
-    except (MissingTopics, ServeRefused, CatalogError) as exc:
+    except (MissingTopics, ServeRefused, CatalogError, MetricsPortUnavailable) as exc:
         raise SystemExit(f"workers: {exc}") from None
 
 

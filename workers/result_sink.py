@@ -57,6 +57,7 @@ class ResultSinkStats:
     not_stored: int = 0  # given up (held too long, over the bounds, or held at stop): a retry gets result_unavailable
     held: int = 0  # waiting for the later write now
     too_large: int = 0
+    write_failures: int = 0  # writes (put attempts and later writes) that failed; each is retried or held
     last_error: str | None = None  # the exception's type name only (never the text)
 
 
@@ -142,10 +143,11 @@ class CassandraResultSink:
                     except Exception as exc:  # noqa: BLE001 - any driver/connection error is retried, bounded
                         error = type(exc).__name__
                         self.stats.last_error = error
+                        self.stats.write_failures += 1
                         if attempt < self.attempts_max:
                             await asyncio.sleep(self.backoff_s)
         except TimeoutError:
-            pass
+            self.stats.write_failures += 1  # the budget ran out (mid-write or mid-open)
         log.warning(
             "result of %s epoch %d not stored (%s, %d attempts max, %.1f s budget): completion reported "
             "anyway; held for a later write", generation_id, epoch, error, self.attempts_max, self.deadline_s,
@@ -164,6 +166,12 @@ class CassandraResultSink:
         self.stats.held = len(self._pending)
         if self._pending and (self._retrying is None or self._retrying.done()):
             self._retrying = asyncio.create_task(self._write_later(), name="result-sink-later")
+
+    def held_oldest_age_s(self) -> float:
+        """How long the oldest result held for the later write has waited (0 when none is held)."""
+        if not self._pending:
+            return 0.0
+        return max(0.0, time.monotonic() - next(iter(self._pending.values()))[3])
 
     def _give_up(self, key: tuple[str, int], why: str) -> None:
         _, size, _, _ = self._pending.pop(key)
@@ -191,6 +199,7 @@ class CassandraResultSink:
                     continue
                 except Exception as exc:  # noqa: BLE001 - still down: the next pass tries again
                     self.stats.last_error = type(exc).__name__
+                    self.stats.write_failures += 1
                     break
                 self._pending.pop(key)
                 self._pending_bytes -= size

@@ -6,7 +6,7 @@ Every bound has its unit in the name. ``CHATPLANE_*`` variables:
     WORKER_PROMPT_TIMEOUT_S, WORKER_DECISION_TIMEOUT_S, WORKER_GENERATION_DURATION_MAX_S,
     WORKER_ENGINE_STALL_MAX_S, WORKER_SESSION_TIMEOUT_MS, SGLANG_MODEL_PATH, SGLANG_ENGINE_ARGS,
     WORKER_RESULT_STORE (cassandra|none), WORKER_RESULT_PUT_ATTEMPTS_MAX, WORKER_RESULT_PUT_BACKOFF_S,
-    WORKER_RESULT_PUT_DEADLINE_S, WORKER_ATTEMPT_TRACES_MAX; the result store's Cassandra (CASSANDRA_HOSTS,
+    WORKER_RESULT_PUT_DEADLINE_S, WORKER_ATTEMPT_TRACES_MAX, WORKER_METRICS_PORT, METRICS_HOST; the result store's Cassandra (CASSANDRA_HOSTS,
     CASSANDRA_PORT, CASSANDRA_KEYSPACE, RESULT_TTL_S) is read by
     ``projections.readmodel.schema.ReadModelSettings``.
 Parsed and checked by the shared loader (``projections.shared.settings``): a bad value stops the worker
@@ -20,6 +20,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
+from projections.shared.metrics_http import METRICS_HOST_DEFAULT, METRICS_HOST_ENV
 from projections.shared.settings import SettingsError, env_var, setting
 from schemas.topics import Topology
 
@@ -98,6 +99,10 @@ class WorkerSettings:
     # AttemptTraces kept in Worker.traces (the newest; for tests and benchmarks): one per attempt would
     # grow without end at thousands of attempts per second, so python -m workers keeps none.
     attempt_traces_max: int = setting("CHATPLANE_WORKER_ATTEMPT_TRACES_MAX", 0, ge=0)
+    # Prometheus /metrics of python -m workers (docs/metrics.md): the port (0: not served) and the
+    # address it binds.
+    metrics_port: int = setting("CHATPLANE_WORKER_METRICS_PORT", 0, ge=0, le=65_535)
+    metrics_host: str = setting(METRICS_HOST_ENV, METRICS_HOST_DEFAULT)
 
     def __post_init__(self) -> None:
         # Also checked when the value comes from code (the environment's is refused while reading).

@@ -45,6 +45,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
 from projections.shared.kafka_settings import kafka_client_kwargs, reply_fetch_max_wait_ms, producer_kwargs
+from projections.shared import tracing
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, FinishReason, RejectionCode, RequestStatus
 from schemas.commands import ReplyTo
@@ -71,6 +72,7 @@ from workers.engines.base import (
     TextChunk,
 )
 from workers.engines.base import FinishReason as EngineFinishReason
+from projections.shared.policy_checks import PolicyCheck
 from workers.settings import WorkerSettings
 from workers.prompts import PromptTopicReader
 from workers.replay_sink import NullReplaySink, ReplaySink
@@ -177,6 +179,7 @@ class StopReason(StrEnum):
     MAX_OUTPUT_TOKENS = "max_output_tokens"  # the request's token budget is spent: a completion
     GENERATION_DURATION_MAX = "generation_duration_max"  # the run passed generation_duration_max_s
     WORKER_SHUTDOWN = "worker_shutdown"  # the drain on shutdown ran out of time
+    OUTPUT_REFUSED = "output_refused"  # the output check refused the engine's next text (docs/policy.md)
 
 
 class AttemptFailure(StrEnum):
@@ -204,6 +207,9 @@ def stop_report(reason: StopReason) -> tuple[FinishOutcome, RejectionCode | None
             return FinishOutcome.FAILED, RejectionCode.GENERATION_TIMEOUT, FinishReason.GENERATION_DURATION_MAX
         case StopReason.WORKER_SHUTDOWN:
             return FinishOutcome.FAILED, RejectionCode.MODEL_BACKEND_ERROR, FinishReason.WORKER_SHUTDOWN
+        case StopReason.OUTPUT_REFUSED:
+            # A failure with its own code: the message stays spent (it was accepted), as after any failure.
+            return FinishOutcome.FAILED, RejectionCode.OUTPUT_REFUSED, FinishReason.OUTPUT_REFUSED
     assert_never(reason)
 
 
@@ -241,7 +247,7 @@ def keeps_result(reason: StopReason | None) -> bool:
     match reason:
         case (
             None | StopReason.CANCEL | StopReason.MAX_OUTPUT_TOKENS | StopReason.GENERATION_DURATION_MAX
-            | StopReason.WORKER_SHUTDOWN
+            | StopReason.WORKER_SHUTDOWN | StopReason.OUTPUT_REFUSED  # (the refused text is not in it)
         ):
             return True
         case StopReason.FENCED | StopReason.LEASE_LOST:
@@ -270,9 +276,11 @@ class AttemptTrace:
     stopped_at: float | None = None  # the engine's stop acknowledgement (or its end)
     slot_freed_at: float | None = None
     output_tokens: int = 0
+    input_tokens: int = 0  # the engine's own count (reported; the ledger bills the admission's)
     deltas_sent: int = 0
     outcome: FinishOutcome | None = None
     report: Outcome | None = None
+    authorized_at_ms: int = 0  # the dispatch's authorization (admission) time, processor clock (metrics)
 
     @property
     def tokens_after_stop(self) -> int | None:
@@ -320,8 +328,11 @@ class Worker:
         result_sink: ResultSink | None = None,
         on_trace: Callable[[AttemptTrace], None] | None = None,
         replay_sink: ReplaySink | None = None,
+        policy_check: PolicyCheck | None = None,
     ) -> None:
         self.settings = settings
+        # The output check between decode steps (projections/shared/policy_checks.py); None: none.
+        self.policy_check = policy_check
         self.engine = engine
         self.model = model
         self.result_sink: ResultSink = result_sink or NullResultSink()
@@ -465,9 +476,9 @@ class Worker:
             batches = await self.control_consumer.getmany(timeout_ms=CONTROL_FETCH_TIMEOUT_MS)
             for records in batches.values():
                 for record in records:
-                    self._on_control(record.value)
+                    self._on_control(record.value, record.headers)
 
-    def _on_control(self, value: bytes | None) -> None:
+    def _on_control(self, value: bytes | None, headers: Any = None) -> None:
         try:
             message = decode_message(value or b"")
         except WireError as exc:
@@ -489,13 +500,15 @@ class Worker:
             reason = StopReason.FENCED if message.fence_reason is not None else StopReason.CANCEL
             stop = self.active.get(key)
             if stop is not None:
+                if (held := self.held.get(key)) is not None and held.cancel_span is None:
+                    held.cancel_span = tracing.start("worker.cancel", held.span, links=[tracing.extract(headers)], **held.ids)
                 stop.set(reason)
             else:
                 self._fenced[key] = reason
                 while len(self._fenced) > FENCED_REMEMBERED_MAX:
                     self._fenced.popitem(last=False)
 
-    async def decide(self, command: Any) -> Outcome | None:
+    async def decide(self, command: Any, headers: tracing.Headers | None = None) -> Outcome | None:
         """Append a command and await its outcome on the control partition (bounded, retried with the
         same command id, which the processor answers from its decision memory). None: no answer."""
         assert self.producer is not None
@@ -504,7 +517,7 @@ class Worker:
             self._decisions[command.command_id] = fut
             try:
                 await self.producer.send_and_wait(
-                    self.settings.topology.commands.name, encode(command), key=command.user_id.encode()
+                    self.settings.topology.commands.name, encode(command), key=command.user_id.encode(), headers=headers
                 )
                 # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
                 # arrives as the answer does, and a renewer cancelled at the end of its attempt then
@@ -600,7 +613,7 @@ class Worker:
             self.free_slots -= 1
             self.preparing += 1
             self._capacity_changed.set()
-            task = asyncio.create_task(self._handle(tp, record.offset, record.value))
+            task = asyncio.create_task(self._handle(tp, record.offset, record.value, record.headers))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -664,7 +677,7 @@ class Worker:
         while len(self.traces) > kept_max:
             self.traces.popitem(last=False)
 
-    async def _handle(self, tp: TopicPartition, offset: int, value: bytes | None) -> None:
+    async def _handle(self, tp: TopicPartition, offset: int, value: bytes | None, headers: Any = None) -> None:
         trace: AttemptTrace | None = None
         attempt: _Attempt | None = None
         committed = False
@@ -680,9 +693,10 @@ class Worker:
                 # Redelivered (a commit lost to a rebalance) while it runs here: it is already ours.
                 log.info("dispatch %s epoch %d redelivered while running here: skipped", d.generation_id, d.epoch)
                 return
-            trace = AttemptTrace(d.generation_id, d.epoch)
+            trace = AttemptTrace(d.generation_id, d.epoch, authorized_at_ms=d.authorized_at_ms)
             self._keep_trace(trace)
             attempt = _Attempt(self, d, trace)
+            attempt.span = tracing.start("worker.dispatch", tracing.extract(headers), worker_id=self.settings.worker_id, **attempt.ids)
             self.held[attempt.key] = attempt
             accepted = await attempt.prepare()
             self.preparing -= 1
@@ -698,6 +712,8 @@ class Worker:
             if not committed:
                 self.preparing -= 1
                 self._commit(tp, offset)
+            if attempt is not None:
+                tracing.end(attempt.span, status=attempt.state.name.lower())
             self._free_slot(trace)
             if trace is not None and self.on_trace is not None:
                 self.on_trace(trace)
@@ -780,6 +796,7 @@ class _Attempt:
         self.payload: PromptPayload | None = None
         self.stop = _Stop()
         self.tokens = 0  # output tokens the engine reported so far
+        self.tokens_delivered = 0  # of those, the ones whose text went (or goes, unsent) to the client's stream
         self.first_token = asyncio.Event()
         self.released = False  # the engine is let go: the renewer stops even if its cancel is lost
         self.finished: Finished | None = None  # the engine's end (ENDED without a failure)
@@ -796,6 +813,12 @@ class _Attempt:
         self.replay_stored = True  # every delta so far stored before it was sent (workers/replay_sink.py)
         self.send_futures: list[asyncio.Future[Any]] = []
         self.last_sent_at = 0.0
+        # Tracing (projections/shared/tracing.py): the attempt's span and a stop's; None when off.
+        self.ids = {"generation_id": d.generation_id, "epoch": d.epoch}
+        self.span: Any = None
+        self.cancel_span: Any = None
+        # The tail of the allowed text the output check needs before the next chunk (its context).
+        self.output_context = ""
 
     def _to(self, state: AttemptState) -> None:
         assert state in _NEXT_STATES[self.state], f"attempt {self.key}: {self.state.name} -> {state.name}"
@@ -839,7 +862,9 @@ class _Attempt:
         if d.stream_to is None:
             await self._decline(DeclineReason.NO_STREAM_TARGET)
             return False
+        prompt_from_ns = tracing.now_ns()
         payload = await self._published_prompt() or await self._request_prompt(d.stream_to)
+        tracing.record("worker.prompt", self.span, prompt_from_ns, found=bool(payload and payload.found), **self.ids)
         if payload is None or not payload.found:
             await self._decline(DeclineReason.PROMPT_UNAVAILABLE)
             return False
@@ -891,7 +916,9 @@ class _Attempt:
         """PROMPT_REQUESTED -> ACCEPT_REQUESTED: append AcceptAttempt; then ACCEPTED or GAVE_UP."""
         self._to(AttemptState.ACCEPT_REQUESTED)
         accept = self._command(cmd.AcceptAttempt)
-        outcome = await self.worker.decide(accept)
+        span = tracing.start("worker.accept", self.span, **self.ids)
+        outcome = await self.worker.decide(accept, tracing.headers(span))
+        tracing.end(span, outcome=outcome.kind if outcome else None, code=outcome.code if outcome else None)
         if outcome is None or outcome.kind not in (OutcomeKind.APPLIED, OutcomeKind.EXISTING) or outcome.status is not RequestStatus.RUNNING:
             self._give_up(f"not_accepted:{outcome.code.value if outcome and outcome.code else 'no_decision'}")
             return False
@@ -1055,9 +1082,24 @@ class _Attempt:
         self.worker._token_samples.append((time.monotonic(), 1))
         if self.trace.engine_first_token_at is None:
             self.trace.engine_first_token_at = time.monotonic()
-        if self.state is AttemptState.STOPPING or not chunk.text:
+            if self.span is not None:
+                tracing.record("worker.first_token", self.span, tracing.wall_ns(self.trace.engine_started_at), **self.ids)
+        if self.state is AttemptState.STOPPING or self.stop.reason is StopReason.OUTPUT_REFUSED or not chunk.text:
             return  # after a stop nothing more reaches the client (still counted as usage)
+        check = self.worker.policy_check
+        if check is not None:
+            # Between decode steps, before the text goes anywhere: refused text is neither sent nor
+            # stored. The log names the ids and the check only.
+            verdict = check.check_output(self.output_context, chunk.text)
+            if verdict.refused:
+                log.info("output refused: %s epoch %d check=%s", self.d.generation_id, self.d.epoch, verdict.check)
+                self.stop.set(StopReason.OUTPUT_REFUSED)
+                return
+            keep = check.output_context_chars
+            if keep:
+                self.output_context = (self.output_context + chunk.text)[-keep:]
         self.text_parts.append(chunk.text)
+        self.tokens_delivered = chunk.output_tokens
         self.unsent.append(chunk.text)
         self.unsent_chars += len(chunk.text)
         if (
@@ -1158,6 +1200,8 @@ class _Attempt:
     async def _report(self) -> None:
         """ENDED -> REPORTED: the last text, the result, then ReportAttemptFinished with usage."""
         d, trace = self.d, self.trace
+        tracing.end(self.cancel_span, stop_reason=self.stop.reason)
+        span = tracing.start("worker.finalize", self.span, **self.ids)
         if self.unsent:
             await self._send_delta()  # text the engine produced before it ended or was stopped
         if self.send_futures:
@@ -1167,6 +1211,7 @@ class _Attempt:
         tokens = finished.output_tokens if finished is not None else self.tokens
         inputs = finished.input_tokens if finished is not None and finished.input_tokens else d.input_tokens
         trace.output_tokens = tokens
+        trace.input_tokens = inputs
         if self.failure is not None:
             log.warning("attempt %s epoch %d failed: %s", d.generation_id, d.epoch, self.failure_detail)
         outcome, code, reason = self._reported()
@@ -1174,17 +1219,26 @@ class _Attempt:
         spooled = False
         if keeps_result(self.stop.reason):
             text = "".join(self.text_parts)
-            await self.worker.result_sink.put(d.generation_id, d.epoch, text, (inputs, tokens))
+            # The stored usage names the admission's input count, as the ledger's usage record does
+            # (it is authoritative: docs/core.md, "Token budget"); the report carries the engine's own.
+            await self.worker.result_sink.put(d.generation_id, d.epoch, text, (d.input_tokens, tokens))
             if d.conversation_id:
                 spooled = await self.worker.spool_answer(d, text, outcome is FinishOutcome.COMPLETED, tokens)
+        # Acceptance -> the engine's first token, recorded with the usage (the SLO report's fallback TTFT).
+        ttft_ms = None
+        if trace.accepted_at is not None and trace.engine_first_token_at is not None:
+            ttft_ms = max(0, round((trace.engine_first_token_at - trace.accepted_at) * 1000))
         # Reported also when fenced: the processor drops it and records LateReportIgnored.
         trace.report = await self.worker.decide(
             self._command(
                 cmd.ReportAttemptFinished, outcome=outcome, input_tokens=inputs, output_tokens=tokens,
                 finish_reason=reason, error_code=code if outcome is FinishOutcome.FAILED else None,
-                answer_spooled=spooled, last_sequence=self.sequence,
-            )
+                answer_spooled=spooled, last_sequence=self.sequence, ttft_ms=ttft_ms,
+                delivered_tokens=min(self.tokens_delivered, tokens),
+            ),
+            tracing.headers(span),
         )
+        tracing.end(span, outcome=outcome, finish_reason=reason, output_tokens=tokens)
         self._to(AttemptState.REPORTED)
 
     async def _renew_lease(self) -> None:
@@ -1209,6 +1263,7 @@ class _Attempt:
             if outcome is not None and outcome.kind in (OutcomeKind.APPLIED, OutcomeKind.CANCEL_REQUESTED):
                 trace.lease_until_ms = max(trace.lease_until_ms, renewal.issued_at_ms + lease_ms)
             if outcome is not None and outcome.kind is OutcomeKind.CANCEL_REQUESTED:
+                self.cancel_span = self.cancel_span or tracing.start("worker.cancel", self.span, **self.ids)
                 stop.set(StopReason.CANCEL)
             elif outcome is not None and outcome.kind is OutcomeKind.REJECTED:
                 stop.set(StopReason.FENCED)

@@ -127,6 +127,16 @@ class SimConfig:
     conversation_p: float = 0.35
     stale_revision_p: float = 0.15
     answer_spooled_p: float = 0.9
+    # Token budget per window, free tier (paid: twice that); 0 = off, the policy's default. Tokens are
+    # reserved and settled either way (invariants 12 and 13 hold in every run); with a budget the
+    # refusals by tokens happen too (docs/core.md, "Token budget").
+    token_budget: int = 0
+    token_overshoot_max: int = 64
+    token_lost_report_bound: int = 32
+    # A worker's report counts more output tokens than the request's max (a tokenizer disagreeing):
+    # by up to twice the overshoot bound, so the bound is met as well. 0 draws nothing (seeds replay
+    # as before this existed).
+    token_overshoot_p: float = 0.0
 
 
 def sim_policy(config: SimConfig) -> Policy:
@@ -142,6 +152,9 @@ def sim_policy(config: SimConfig) -> Policy:
         dedup_retention_ms=config.dedup_retention_ms,
         dedup_records_per_user_max=config.dedup_records_per_user_max,
         result_ttl_ms=config.result_ttl_ms,
+        token_budget_by_tier={Tier.FREE: config.token_budget, Tier.PAID: 2 * config.token_budget},
+        token_overshoot_max=config.token_overshoot_max,
+        token_lost_report_bound=config.token_lost_report_bound,
         models={MODEL_ALIAS: ModelEntry(MODEL_ALIAS, "simulated-model-v1", "simulated", frozenset(Tier))},
     )
 
@@ -188,6 +201,7 @@ class Simulation:
             concurrency_limit=self.config.concurrency_limit,
             dedup_retention_ms=self.policy.dedup_retention_ms,
             records_max=self.policy.dedup_records_per_user_max,
+            token_overshoot_max=self.policy.token_overshoot_max,
         )
         self.ledger: dict[str, ev.Event] = {}  # event id -> event, de-duplicated, in append order
         self.usage_topic: dict[str, ev.UsageRecorded] = {}
@@ -407,6 +421,9 @@ class Simulation:
         violations = self.monitor.check_all_states()
         if violations:
             self.fail(violations)
+        unsettled = self.monitor.unsettled_token_reservations()
+        if unsettled:
+            self.fail(f"token reservations never settled after draining: {sorted(unsettled)[:3]}")
         usage = Counter((e.generation_id, e.epoch) for e in self.ledger.values() if isinstance(e, ev.UsageRecorded))
         twice = [k for k, n in usage.items() if n > 1]
         if twice:
@@ -507,6 +524,8 @@ class Processor:
         sim.stats.outcomes[decision.outcome.kind.value] += 1
         if decision.outcome.code is not None:
             sim.stats.rejections[decision.outcome.code.value] += 1
+            if decision.outcome.details.kind:
+                sim.stats.rejections[f"{decision.outcome.code.value}:{decision.outcome.details.kind}"] += 1
         self.aggregates[user] = after
         violations = check_state(after.ledger, sim.config.concurrency_limit)
         if violations:
@@ -895,6 +914,7 @@ class Run:
     last_renew_ms: int = 0
     outcome: FinishOutcome = FinishOutcome.COMPLETED
     spooled: bool = False
+    extra_tokens: int = 0  # reported beyond what it generated (``SimConfig.token_overshoot_p``)
 
 
 class Worker:
@@ -951,6 +971,9 @@ class Worker:
             self.send(key, "decline", cmd.DeclineAttempt, dispatch=d, reason="queue_deadline")
             return
         self.runs[key] = Run(d, target_tokens=sim.rng.randint(1, min(d.max_output_tokens, sim.config.output_tokens[1])))
+        if sim.config.token_overshoot_p and sim.rng.random() < sim.config.token_overshoot_p:
+            run = self.runs[key]
+            run.extra_tokens = d.max_output_tokens - run.target_tokens + sim.rng.randint(1, 2 * sim.config.token_overshoot_max)
         self.accept(key)
 
     def accept(self, key: tuple[str, int]) -> None:
@@ -967,7 +990,7 @@ class Worker:
             cmd.ReportAttemptFinished,
             outcome=run.outcome,
             input_tokens=run.dispatch.input_tokens,
-            output_tokens=run.tokens,
+            output_tokens=run.tokens + run.extra_tokens,
             finish_reason="stop" if run.outcome is FinishOutcome.COMPLETED else "",
             error_code=RejectionCode.MODEL_BACKEND_ERROR if failed else None,
             answer_spooled=run.spooled,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 import uuid
 from dataclasses import replace
@@ -30,16 +31,20 @@ from edge.deps import CurrentPrincipal, IdempotencyKey
 from edge.errors import DRAINING_RETRY_AFTER_S, ApiError
 from edge.fingerprint import fingerprint
 from edge.history import PreparedTurn, prepare_turn
+from edge.outcomes import note_decision, note_stream
 from edge.replay import REPLAY_LOOKUP_WAIT_S, Replay, resume_point
 from edge.settings import EdgeSettings
 from edge import sse
 from edge.streams import GenerationStream, GenerationView, StreamHub
+from projections.shared import tracing
 from projections.shared.command_client import DecisionTimeout, TooManyPending
-from schemas.codes import REJECTIONS, RejectionCode, RequestStatus
+from schemas.codes import REJECTIONS, RateLimitScope, RejectionCode, RequestStatus
 from schemas.commands import CancelGeneration, SubmitGeneration
 from schemas.messages import ChatMessage, Outcome, OutcomeKind, RejectionDetails
+from schemas.outcomes import AdmissionResult
 
 router = APIRouter(prefix="/v1/generations", tags=["generations"])
+log = logging.getLogger("chatplane.edge")
 
 MESSAGE_CONTENT_CHARS_MAX = 256 * 1024
 GENERATION_ID_CHARS_MAX = 128
@@ -297,6 +302,7 @@ async def admit(
     refusal raises ``ApiError``."""
     edge = request.app.state.edge
     settings = edge.settings
+    note_stream(request, req.stream)
     conversation_id = getattr(req, "conversation_id", None)
     if not conversation_id and req.messages[-1].role != "user":
         raise ApiError(RejectionCode.INVALID_REQUEST, field=f"messages.{len(req.messages) - 1}.role")
@@ -314,6 +320,7 @@ async def admit(
         edge.metrics.admissions.labels(refusal.code.value).inc()
         raise refusal
     messages = tuple(ChatMessage(role=m.role, content=m.content) for m in req.messages)
+    client_messages = messages  # what the client sent (a turn's context adds stored, checked history)
     turn: PreparedTurn | None = None
     if conversation_id:
         turn = await prepare_turn(
@@ -330,7 +337,17 @@ async def admit(
     wait_s = edge.buckets.take(principal.user_id)
     if wait_s > 0:
         edge.metrics.admissions.labels(RejectionCode.RATE_LIMITED.value).inc()
-        raise ApiError(RejectionCode.RATE_LIMITED, details=RejectionDetails(retry_after_ms=int(wait_s * 1000)))
+        raise ApiError(
+            RejectionCode.RATE_LIMITED, details=RejectionDetails(retry_after_ms=int(wait_s * 1000)), scope=RateLimitScope.USER
+        )
+    if edge.policy_check is not None:
+        # The prompt check (docs/policy.md), after the buckets (probing a check costs burst tokens) and
+        # before the command: a refused prompt reserves nothing. The log names ids and the check only.
+        verdict = edge.policy_check.check_prompt(client_messages)
+        if verdict.refused:
+            log.info("prompt refused request_id=%s check=%s", request.state.request_id, verdict.check)
+            edge.metrics.admissions.labels(RejectionCode.PROMPT_REFUSED.value).inc()
+            raise ApiError(RejectionCode.PROMPT_REFUSED)
     estimate_ms = (
         edge.capacity.estimate_wait_ms(model.pool, input_tokens, req.max_output_tokens) if settings.capacity_check else 0
     )
@@ -344,6 +361,7 @@ async def admit(
         fingerprint=fingerprint(settings.fingerprint_key, req.model, fingerprinted, req.max_output_tokens),
         model_alias=req.model,
         tier=principal.tier,
+        risk_class=principal.risk_class,
         stream=req.stream,
         max_output_tokens=req.max_output_tokens,
         input_tokens=input_tokens,
@@ -368,9 +386,12 @@ async def admit(
         generation_id = generation_id_for(principal.user_id, command.command_id)
         edge.hub.publish_prompt(settings.topology.prompts(model.pool).name, generation_id, principal.user_id, messages)
     sent_s = time.monotonic()
+    traced = tracing.begin_generation(received_s, command)  # None when tracing is off (docs/tracing.md)
     edge.shedder.deciding += 1
     try:
-        outcome: Outcome = await edge.client.decide(command, timeout_s=settings.decision_timeout_s)
+        outcome: Outcome = await edge.client.decide(
+            command, timeout_s=settings.decision_timeout_s, headers=tracing.generation_headers(traced)
+        )
     except (DecisionTimeout, TooManyPending):
         # Fail closed. Nothing is charged: the processor refuses this submit if it reads it after
         # decide_by_ms, and a decision made before that reaches this edge within the margin.
@@ -380,6 +401,7 @@ async def admit(
         raise ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE) from None
     finally:
         edge.shedder.deciding -= 1
+        tracing.end_generation(traced)
     edge.metrics.decision_latency.observe(time.monotonic() - received_s)
     edge.shedder.observe(time.monotonic() - sent_s)
     edge.metrics.shed_limit.set(edge.shedder.limit)
@@ -403,6 +425,7 @@ async def admit(
             details = replace(details, limit=settings.policy.concurrency_limit)
         raise ApiError(outcome.code, details, extra=extra)
     if outcome.kind is OutcomeKind.EXISTING:
+        note_decision(request, AdmissionResult.EXISTING, req.stream, outcome.generation_id)
         return outcome
     assert outcome.kind is OutcomeKind.ADMITTED and outcome.generation_id is not None
     stream = GenerationStream(
@@ -422,6 +445,8 @@ async def admit(
         revision=outcome.revision,
     )
     edge.hub.hold(stream)
+    tracing.remember(stream.generation_id, traced)  # its cancel joins the trace (tracing.recall)
+    note_decision(request, AdmissionResult.ADMITTED, req.stream, stream.generation_id, stream)
     return stream
 
 
@@ -596,10 +621,15 @@ async def cancel_generation(request: Request, principal: CurrentPrincipal, gener
         generation_id=generation_id,
         reply_to=edge.client.reply_to(request.state.request_id),
     )
+    span = tracing.start("edge.cancel", tracing.recall(generation_id), root=True, generation_id=generation_id)
     try:
-        outcome: Outcome = await edge.client.decide(command, timeout_s=edge.settings.decision_timeout_s)
+        outcome: Outcome = await edge.client.decide(
+            command, timeout_s=edge.settings.decision_timeout_s, headers=tracing.headers(span)
+        )
     except (DecisionTimeout, TooManyPending):
         raise ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE) from None
+    finally:
+        tracing.end(span)
     if outcome.kind is OutcomeKind.REJECTED:
         raise ApiError(outcome.code or RejectionCode.NOT_FOUND)
     if outcome.kind is OutcomeKind.CANCEL_REQUESTED:

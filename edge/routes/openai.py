@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from edge import sse
 from edge.deps import CurrentPrincipal, idempotency_key
 from edge.errors import ApiError, request_id_of
+from edge.outcomes import note_refusal
 from edge.openai_compat import (
     ChatCompletionFramer,
     ChatCompletionRequest,
@@ -55,6 +56,7 @@ class OpenAIRoute(APIRoute):
             try:
                 return await handler(request)
             except ApiError as err:
+                note_refusal(request, err.code)
                 return openai_error_response(err, request_id_of(request))
 
         return answer

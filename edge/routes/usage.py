@@ -34,7 +34,7 @@ async def usage(request: Request, principal: CurrentPrincipal) -> Response:
     issued_at_ms = int(time.time() * 1000)
     command = QueryUsage(
         command_id=uuid.uuid4().hex, user_id=principal.user_id, issued_at_ms=issued_at_ms, tier=principal.tier,
-        reply_to=edge.client.reply_to(request.state.request_id),
+        risk_class=principal.risk_class, reply_to=edge.client.reply_to(request.state.request_id),
     )
     try:
         outcome: Outcome = await edge.client.decide(command, timeout_s=edge.settings.decision_timeout_s)
@@ -53,6 +53,13 @@ async def usage(request: Request, principal: CurrentPrincipal) -> Response:
             "capacity": int(buckets.capacity_tokens), "available": int(buckets.available(principal.user_id)),
             "refill_interval_s": buckets.refill_interval_s,
         },
+        # The token budget of the same window (docs/core.md, "Token budget"): "limit" null when no
+        # budget applies; "used" is settled usage, "reserved" what running or queued generations hold.
+        "tokens": {
+            "limit": u.token_limit or None, "used": u.tokens_used, "reserved": u.tokens_reserved,
+            "remaining": u.tokens_remaining if u.token_limit else None,
+        },
+        "risk_class": u.risk_class or None,
         "concurrency": {"limit": u.concurrency_limit, "active": u.active},
         "as_of": iso_utc(issued_at_ms),
     }

@@ -39,16 +39,18 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
 from projections.history.store import HistoryStore, HistoryUnavailable, StoredMessage
+from projections.readmodel.metrics import history_metrics
 from projections.readmodel.schema import ReadModelSettings
 from projections.shared.kafka_settings import kafka_client_kwargs, producer_kwargs
 from projections.shared.log_limits import install_log_limits
+from projections.shared.metrics_http import MetricsPortUnavailable, metrics_port, start_metrics_server
 from projections.shared.settings import SettingsError, env_value, exit_on_settings_error
 from schemas import events as ev
 from schemas.commands import CommitAnswer
@@ -66,6 +68,7 @@ WRITE_RETRY_BACKOFF_S_MAX = 2.0
 WRITE_RETRY_WINDOW_S = 240.0  # then exit (below MAX_POLL_INTERVAL_MS): the restart resumes from the commit
 MAX_POLL_INTERVAL_MS = 300_000
 SESSION_TIMEOUT_MS = 10_000
+HISTORY_METRICS_PORT_ENV = "CHATPLANE_HISTORY_METRICS_PORT"  # Prometheus /metrics; 0: not served
 # Ledger entries are decoded only if their bytes name a conversation event (most are not).
 _CONVERSATION_MARK = b'"Conversation'
 
@@ -85,6 +88,8 @@ class HistoryStats:
     undecodable: int = 0
     write_retries: int = 0
     batches: int = 0
+    # partition -> the next offset to handle (its batch written); the metrics' lag (readmodel/metrics.py).
+    positions: dict[TopicPartition, int] = field(default_factory=dict, repr=False)
 
 
 class HistoryWriter:
@@ -144,6 +149,7 @@ class HistoryWriter:
             await self.consumer.commit(offsets)
         except CommitFailedError as exc:
             log.warning("offset commit failed after a rebalance: %s", exc)  # the new owner redoes (idempotent)
+        self.stats.positions.update(offsets)
 
     async def _with_retries(self, fn: Any, *args: Any) -> None:
         started = time.monotonic()
@@ -324,6 +330,14 @@ async def _main(args: argparse.Namespace, settings: ReadModelSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, writer.stop)
+    metrics = history_metrics(topology)  # served on CHATPLANE_HISTORY_METRICS_PORT (docs/metrics.md)
+    metrics.bind(writer)
+    try:
+        metrics_server = await start_metrics_server(metrics.registry, args.metrics_port, name="history")
+    except MetricsPortUnavailable as exc:
+        log.error("%s", exc)
+        await store.close()
+        return 2
     await writer.start()
     log.info("history writer: %s + %s -> %s (group %s)", topology.answers.name, topology.ledger.name, settings.keyspace, writer.group_id)
     print("history: started", flush=True)
@@ -338,6 +352,8 @@ async def _main(args: argparse.Namespace, settings: ReadModelSettings) -> int:
     finally:
         await writer.close()
         await store.close()
+        if metrics_server is not None:
+            await metrics_server.close()
     log.info("history writer stopped: %s", writer.stats)
     return 0
 
@@ -350,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = ReadModelSettings()
+        args.metrics_port = metrics_port(HISTORY_METRICS_PORT_ENV)
     except SettingsError as exc:
         exit_on_settings_error(exc)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from control_plane.evolve import billable_of
 from control_plane.invariants import InvariantMonitor, Violation, check_state
 from control_plane.policy import Policy
 from control_plane.state import UserLedger
@@ -46,6 +47,14 @@ class AuditReport:
     # Submits refused, holding nothing, because the processor read them after their decision deadline
     # (their edge had answered 503 quota_service_unavailable).
     refused_late: int = 0
+    # Token reservations (docs/core.md, "Token budget"): admitted, settled (each once: a second
+    # settlement is a violation, invariant 12), still held when the audit ended (generations still
+    # running or queued; none once the system is idle), and the tokens the usage records charged.
+    token_reservations: int = 0
+    token_settlements: int = 0
+    tokens_unsettled: int = 0
+    tokens_billable: int = 0
+    tokens_overshoot: int = 0
     violations: list[Violation] = field(default_factory=list)
     table_users: int | None = None
     mismatches: list[str] = field(default_factory=list)
@@ -65,6 +74,9 @@ class AuditReport:
             + (", ".join(f"{k}={v}" for k, v in sorted(self.terminal.items())) or "none"),
             f"messages consumed: {self.consumed}, released: {self.released}",
             f"submits refused as read after their decision deadline: {self.refused_late}",
+            f"token reservations: {self.token_reservations}, settled: {self.token_settlements}, "
+            f"still held: {self.tokens_unsettled}; tokens charged: {self.tokens_billable} "
+            f"(overshoot {self.tokens_overshoot})",
         ]
         if self.table_users is not None:
             lines.append(f"table users compared: {self.table_users}, mismatches: {len(self.mismatches)}")
@@ -102,6 +114,14 @@ class Auditor:
                 self.report.terminal[type(e).__name__.removeprefix("Generation").lower()] += 1
             elif isinstance(e, ev.AdmissionRejected) and e.decide_by_ms and e.read_at_ms > e.decide_by_ms:
                 self.report.refused_late += 1
+            if isinstance(e, ev.GenerationAdmitted) and e.tokens_reserved:
+                self.report.token_reservations += 1
+            elif isinstance(e, ev.ReservationReleased) and e.tokens_released:
+                self.report.token_settlements += 1
+            elif isinstance(e, ev.UsageRecorded):
+                self.report.token_settlements += 1 if e.tokens_reserved else 0
+                self.report.tokens_billable += billable_of(e)
+                self.report.tokens_overshoot += e.overshoot_tokens
 
     def feed_raw(self, where: str, value: bytes | None) -> None:
         try:
@@ -112,6 +132,7 @@ class Auditor:
     def finish(self, table: dict[str, UserLedger] | None = None) -> AuditReport:
         self.report.users = len(self.monitor.states)
         self.report.states = self.monitor.states
+        self.report.tokens_unsettled = len(self.monitor.unsettled_token_reservations())
         if table is not None:
             self.report.table_users = len(table)
             for user_id, rebuilt in self.monitor.states.items():
@@ -183,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
             "consumed": report.consumed,
             "released": report.released,
             "refused_late": report.refused_late,
+            "token_reservations": report.token_reservations,
+            "token_settlements": report.token_settlements,
+            "tokens_unsettled": report.tokens_unsettled,
+            "tokens_billable": report.tokens_billable,
+            "tokens_overshoot": report.tokens_overshoot,
             "violations": [str(v) for v in report.violations],
             "mismatches": report.mismatches,
             "undecodable": report.undecodable,

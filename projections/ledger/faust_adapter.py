@@ -54,7 +54,8 @@ def faust_version_supported(version: tuple[int, ...] | None = None) -> bool:
 
 
 async def send_record(
-    app: faust.App, topic: str, key: bytes | None, value: bytes | None, partition: int | None
+    app: faust.App, topic: str, key: bytes | None, value: bytes | None, partition: int | None,
+    headers: list[tuple[str, bytes]] | None = None,
 ) -> Awaitable[Any]:
     """Hand one already-encoded record to faust's Kafka producer; returns its delivery future.
 
@@ -75,9 +76,10 @@ async def send_record(
     is an awaitable that resolves once Kafka acknowledged the record (``RecordMetadata``) or raises;
     and ``Consumer.commit`` awaits ``App.producer.flush()`` (which waits for aiokafka's own batches)
     before it commits offsets, so a record sent before its command was acked is in Kafka before
-    that command's offset is committed (at-least-once without faust's exactly-once mode).
+    that command's offset is committed (at-least-once without faust's exactly-once mode). ``headers``
+    (the trace context, projections/shared/tracing.py) go to aiokafka as a list of ``(str, bytes)``.
     """
-    return await app.producer.send(topic, key, value, partition, None, None)
+    return await app.producer.send(topic, key, value, partition, None, headers)
 
 
 async def put_table_entry(app: faust.App, table: faust.Table, partition: int, key: bytes, value: bytes) -> None:

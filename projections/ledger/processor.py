@@ -44,17 +44,20 @@ from typing import Any, Awaitable
 
 import faust
 from aiokafka.partitioner import murmur2
+from faust.types import TP
 
 from control_plane.aggregate import Aggregate, handle
 from control_plane.decide import attached_reader, attached_readers, next_deadline_ms
 from control_plane.routing import route
 from projections.ledger import faust_adapter
+from projections.ledger.metrics import ProcessorMetrics
 from projections.shared.gc_tuning import tune_gc
 from projections.shared.kafka_admin import TopologyError, assert_copartitioned, assert_topology
 from projections.shared.kafka_settings import kafka_client_kwargs, kafka_compression
-from projections.shared import memtrace
+from projections.shared import memtrace, tracing
 from projections.shared.malloc_tuning import tune_malloc
 from projections.shared.log_limits import install_log_limits
+from projections.shared.metrics_http import MetricsPortUnavailable, start_metrics_server
 from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
 from projections.ledger.settings import ProcessorSettings
 from projections.ledger.presence import PresenceReader, PresenceView, monotonic_ms
@@ -96,6 +99,7 @@ class _Pending:
     aggregate: Aggregate | None = None
     event: Any = None  # the faust event to ack after the write
     skipped: tuple[int, int] | None = None  # offsets faust never delivered, decided by _fill_gap
+    decided_at: float = 0.0  # perf_counter when decided (0: nothing decided), for the durable latency
 
 
 @dataclass
@@ -120,6 +124,9 @@ class AdmissionProcessor:
         self.topology = settings.topology
         self.policy = settings.policy
         self.stats = ProcessorStats()
+        # Prometheus series (projections/ledger/metrics.py), served on CHATPLANE_PROCESSOR_METRICS_PORT.
+        self.metrics = ProcessorMetrics(self.policy.concurrency_limit, settings.metrics_reservations_max)
+        self.metrics.bind(self)
         self.partitions = self.topology.commands.partitions
         self.app = faust.App(
             self.topology.processor_app_id,
@@ -190,6 +197,8 @@ class AdmissionProcessor:
         self.app.agent(self.commands, name="admission", concurrency=1)(self._admission)
         self.app.timer(interval=settings.reconcile_tick_s, name="reconcile")(self._reconcile_tick)
         self.app.task(self._watch_presence)
+        if settings.metrics_port:
+            self.app.task(self._serve_metrics)
         self.app.on_partitions_assigned.connect(self._on_assigned)
         self.app.on_partitions_revoked.connect(self._on_revoked)
 
@@ -203,6 +212,32 @@ class AdmissionProcessor:
         quiet_client_loggers()
         tune_gc(self.settings.gc_gen0_threshold)
         log.info("processor %s ready", self.settings.instance_id)
+
+    async def _serve_metrics(self) -> None:
+        """faust app task: ``/metrics`` in the app's loop for the life of the process (metrics_http.py)."""
+        try:
+            await start_metrics_server(
+                self.metrics.registry, self.settings.metrics_port, host=self.settings.metrics_host, name="processor"
+            )
+        except MetricsPortUnavailable as exc:
+            log.critical("%s; the processor stops", exc)
+            await self.app.crash(exc)
+
+    def assigned_command_partitions(self) -> set[int]:
+        return faust_adapter.assigned_partitions(self.app, self.topology.commands.name)
+
+    def partition_lag(self, assigned: set[int]) -> dict[int, int]:
+        """Per assigned partition: commands in the log not yet decided here (high watermark - next offset)."""
+        lag: dict[int, int] = {}
+        for partition in assigned:
+            expected = self._expected.get(partition)
+            try:
+                highwater = self.app.consumer.highwater(TP(self.topology.commands.name, partition))
+            except Exception:  # noqa: BLE001 - not started, or mid-rebalance: no figure this scrape
+                continue
+            if highwater is not None and expected is not None:
+                lag[partition] = max(0, highwater - expected)
+        return lag
 
     async def _on_assigned(self, sender: Any, assigned: set[Any], **_: Any) -> None:
         self._scan_needed = True
@@ -302,7 +337,7 @@ class AdmissionProcessor:
                     await self._fill_gap(partition, expected, offset, drainer)
                 if expected is None or offset >= expected:
                     self._expected[partition] = offset + 1
-                pending = await self.process(partition, offset, message.key, message.value)
+                pending = await self.process(partition, offset, message.key, message.value, message.headers)
                 pending.event = event
                 await self._enqueue(pending, drainer)
         finally:
@@ -367,7 +402,7 @@ class AdmissionProcessor:
                         break
                     progress_at = time.monotonic()
                     self.stats.gap_commands += 1
-                    pending = await self.process(partition, record.offset, record.key, record.value)
+                    pending = await self.process(partition, record.offset, record.key, record.value, record.headers)
                     await self._enqueue(pending, drainer)
         finally:
             await reader.stop()
@@ -394,6 +429,8 @@ class AdmissionProcessor:
                     if unwritten is not None and unwritten[0] is head.aggregate:
                         del self._unwritten[head.key]
                         self._decoded[head.key] = (writes.puts[-1][1], head.aggregate, writes.layout)
+                if head.decided_at:
+                    self.metrics.durable(time.perf_counter() - head.decided_at)
                 if head.event is not None:
                     await stream.ack(head.event)
                 elif head.skipped is not None:
@@ -440,9 +477,12 @@ class AdmissionProcessor:
         self._decoded[key] = (value, aggregate, layout)
         return aggregate, layout
 
-    async def process(self, partition: int, offset: int, key: bytes | None, value: bytes | None) -> _Pending:
+    async def process(
+        self, partition: int, offset: int, key: bytes | None, value: bytes | None, headers: Any = None
+    ) -> _Pending:
         """Decide one command and send its outputs; the returned entry carries what to write once
-        Kafka acknowledged them (see ``_drain``)."""
+        Kafka acknowledged them (see ``_drain``). A command whose ``headers`` carry a trace context
+        gets a ``processor.decide`` span, whose context every output carries on (tracing.py)."""
         pending = _Pending(partition)
         if value is None:
             pending.sends.append(await self._dead_letter(partition, offset, key, b"", "empty message"))
@@ -465,6 +505,8 @@ class AdmissionProcessor:
             return pending
         if type(command) is SubmitGeneration and command.decide_by_ms:
             command = replace(command, read_at_ms=self._read_stamp(partition, command.command_id))
+        started_ns = time.time_ns() if tracing.ENABLED else 0  # off: one flag check per command (tracing.py)
+        started = time.perf_counter()
         try:
             before, layout = self._aggregate(user_key, command.user_id)
             after, decision, redelivered = handle(before, command, self.policy, offset)
@@ -494,9 +536,27 @@ class AdmissionProcessor:
             else:
                 self._deadlines[user_key] = deadline
             self._watch_readers(user_key, writes.readers)
+        span = self._decision_span(headers, started_ns, command, decision, partition, offset) if started_ns else None
+        out_headers = tracing.headers(span) if span is not None else None
         for out in route(self.topology, before.ledger, after.ledger, command, decision, partition):
-            pending.sends.append(await faust_adapter.send_record(self.app, out.topic, out.key, out.value, out.partition))
+            pending.sends.append(
+                await faust_adapter.send_record(self.app, out.topic, out.key, out.value, out.partition, out_headers)
+            )
+        if span is not None:
+            tracing.end(span)
+        pending.decided_at = time.perf_counter()
+        self.metrics.decided(partition, command, before.ledger, after.ledger, decision, redelivered, pending.decided_at - started)
         return pending
+
+    @staticmethod
+    def _decision_span(headers: Any, started_ns: int, command: Any, decision: Any, partition: int, offset: int) -> Any:
+        """The ``processor.decide`` span of a command that carries a trace context (None otherwise)."""
+        outcome = decision.outcome
+        return tracing.start(
+            "processor.decide", tracing.extract(headers), start_ns=started_ns, command_type=command.type,
+            command_id=command.command_id, generation_id=getattr(command, "generation_id", None) or outcome.generation_id,
+            outcome=outcome.kind, code=outcome.code, partition=partition, offset=offset,
+        )
 
     def _read_stamp(self, partition: int, command_id: str) -> int:
         """When this submit is read: now, or the stamp a decision of it already recorded on the ledger.
@@ -667,6 +727,7 @@ def main() -> None:
     try:
         level = log_level("WARNING")
         settings = ProcessorSettings()
+        tracing.configure("chatplane-processor")
     except SettingsError as exc:
         exit_on_settings_error(exc)
     tune_malloc()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from control_plane.policy import Policy
 from projections.shared.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
+from projections.shared.metrics_http import METRICS_HOST_DEFAULT, METRICS_HOST_ENV
 from projections.shared.settings import policy_from_env, setting
 from schemas.topics import Topology
 
@@ -66,4 +67,9 @@ class ProcessorSettings:
     edges_tracked_max: int = setting("CHATPLANE_PROCESSOR_EDGES_TRACKED_MAX", 10_000, ge=1)
     readers_tracked_max: int = setting("CHATPLANE_PROCESSOR_READERS_TRACKED_MAX", 1_000_000, ge=1)
     data_dir: str = setting("CHATPLANE_DATA_DIR", "var/processor")
+    # Prometheus /metrics (docs/metrics.md): the port (0: not served) and the address it binds; and
+    # the reservations whose age the metrics track (beyond, new ones are only counted as untracked).
+    metrics_port: int = setting("CHATPLANE_PROCESSOR_METRICS_PORT", 0, ge=0, le=65_535)
+    metrics_host: str = setting(METRICS_HOST_ENV, METRICS_HOST_DEFAULT)
+    metrics_reservations_max: int = setting("CHATPLANE_PROCESSOR_METRICS_RESERVATIONS_MAX", 100_000, ge=0)
     policy: Policy = field(default_factory=policy_from_env)

@@ -49,10 +49,12 @@ from aiokafka.errors import CommitFailedError, KafkaError
 
 from projections.shared.cassandra import execute
 from projections.shared.kafka_settings import kafka_client_kwargs, producer_kwargs
-from projections.shared import memtrace
+from projections.shared import memtrace, tracing
 from projections.shared.malloc_tuning import tune_malloc
 from projections.shared.log_limits import install_log_limits
+from projections.shared.metrics_http import MetricsPortUnavailable, metrics_port, start_metrics_server
 from projections.shared.settings import SettingsError, env_value, exit_on_settings_error
+from projections.readmodel.metrics import readmodel_metrics
 from projections.readmodel.schema import (
     GENERATION_COLUMNS,
     ReadModelSettings,
@@ -80,6 +82,7 @@ MAX_POLL_INTERVAL_MS = 300_000
 SESSION_TIMEOUT_MS = 10_000
 DEAD_LETTER_VALUE_BYTES_MAX = 4_096
 STATS_LOG_INTERVAL_S = 10.0
+READMODEL_METRICS_PORT_ENV = "CHATPLANE_READMODEL_METRICS_PORT"  # Prometheus /metrics; 0: not served
 
 Columns = dict[str, Any]
 
@@ -272,6 +275,8 @@ class ProjectionStats:
     # ms from a record's Kafka timestamp to the commit of the batch that holds it (last batch).
     last_lag_ms: float = 0.0
     lag_samples_ms: list[float] = field(default_factory=list, repr=False)
+    # partition -> the next offset to project (its batch written); the metrics' lag (metrics.py).
+    positions: dict[TopicPartition, int] = field(default_factory=dict, repr=False)
 
 
 class ReadModelProjection:
@@ -399,7 +404,10 @@ class ReadModelProjection:
                 fresh_ids.append(entry.command_id)
                 batch.append((tp.partition, rec.offset, entry))
         rows = merge_batch(batch)
+        traced, write_from_ns = tracing.parents(polled.values()), tracing.now_ns()
         await self._write_with_retries(rows)
+        for parent, partition, offset in traced:  # one span per traced ledger record (tracing.py)
+            tracing.record("readmodel.write", parent, write_from_ns, partition=partition, offset=offset, rows=len(rows))
         for cid in fresh_ids:
             self._remember(cid)
         self.stats.rows_written += len(rows)
@@ -409,6 +417,7 @@ class ReadModelProjection:
         except CommitFailedError as exc:
             # A rebalance took the partitions: the new owner replays from the last commit (idempotent).
             log.warning("offset commit failed after a rebalance: %s", exc)
+        self.stats.positions.update(offsets)
         if oldest_ts_ms is not None:
             self.stats.last_lag_ms = time.time() * 1000 - oldest_ts_ms
             if self.keep_lag_samples:
@@ -456,6 +465,13 @@ async def _main(args: argparse.Namespace, settings: ReadModelSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, projection.stop)
+    metrics = readmodel_metrics(topology)  # served on CHATPLANE_READMODEL_METRICS_PORT (docs/metrics.md)
+    metrics.bind(projection)
+    try:
+        metrics_server = await start_metrics_server(metrics.registry, args.metrics_port, name="readmodel")
+    except MetricsPortUnavailable as exc:
+        log.error("%s", exc)
+        return 2
     await projection.start()
     log.info(
         "readmodel projecting %s into %s.%s (group %s)",
@@ -475,6 +491,8 @@ async def _main(args: argparse.Namespace, settings: ReadModelSettings) -> int:
         return 4
     finally:
         await projection.close()
+        if metrics_server is not None:
+            await metrics_server.close()
     log.info("readmodel stopped: %s", projection.stats)
     return 0
 
@@ -491,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = ReadModelSettings()
+        args.metrics_port = metrics_port(READMODEL_METRICS_PORT_ENV)
+        tracing.configure("chatplane-readmodel")
     except SettingsError as exc:
         exit_on_settings_error(exc)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

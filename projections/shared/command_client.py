@@ -106,12 +106,16 @@ class CommandClient:
     def reply_to(self, request_id: str | None = None) -> ReplyTo:
         return replace(self.inbox, request_id=request_id or uuid.uuid4().hex)
 
-    async def send(self, command: Command) -> None:
-        """Append a command without waiting for its decision."""
+    async def send(self, command: Command, headers: list[tuple[str, bytes]] | None = None) -> None:
+        """Append a command without waiting for its decision (``headers``: its trace context, tracing.py)."""
         assert self._producer is not None
-        await self._producer.send_and_wait(self.topology.commands.name, encode(command), key=command.user_id.encode())
+        await self._producer.send_and_wait(
+            self.topology.commands.name, encode(command), key=command.user_id.encode(), headers=headers
+        )
 
-    async def decide(self, command: Command, timeout_s: float | None = None) -> Outcome:
+    async def decide(
+        self, command: Command, timeout_s: float | None = None, headers: list[tuple[str, bytes]] | None = None
+    ) -> Outcome:
         """Append ``command`` (whose ``reply_to`` must be ``self.reply_to(...)``) and await its outcome."""
         assert command.reply_to is not None and command.reply_to.partition == self.inbox.partition
         if len(self._pending) >= PENDING_DECISIONS_MAX:
@@ -120,7 +124,7 @@ class CommandClient:
         self._pending[command.command_id] = fut
         self._pending_since[command.command_id] = time.monotonic()
         try:
-            await self.send(command)
+            await self.send(command, headers)
             # asyncio.timeout, not wait_for: 3.11's wait_for returns the answer and drops a
             # cancellation that arrives in the same loop turn (a cancelled caller would go on).
             async with asyncio.timeout(timeout_s or self.decision_timeout_s):

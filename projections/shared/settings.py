@@ -33,11 +33,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
-from control_plane.policy import Policy
+from control_plane.policy import Policy, RiskLimits
 from schemas.codes import Tier
 
 T = TypeVar("T")
@@ -206,4 +207,57 @@ def policy_from_env() -> Policy:
         ),
         result_ttl_ms=env_value("CHATPLANE_RESULT_TTL_MS", base.result_ttl_ms, ge=1),
         max_output_tokens_max=env_value("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", base.max_output_tokens_max, ge=1),
+        # Token budgets per tier and window (0 = off, the default: docs/core.md, "Token budget").
+        token_budget_by_tier={
+            Tier.FREE: env_value("CHATPLANE_TOKEN_BUDGET_FREE", base.token_budget(Tier.FREE), ge=0),
+            Tier.PAID: env_value("CHATPLANE_TOKEN_BUDGET_PAID", base.token_budget(Tier.PAID), ge=0),
+        },
+        token_overshoot_max=env_value("CHATPLANE_TOKEN_OVERSHOOT_MAX", base.token_overshoot_max, ge=0),
+        token_lost_report_bound=env_value("CHATPLANE_TOKEN_LOST_REPORT_BOUND", base.token_lost_report_bound, ge=0),
+        risk_classes=env_value(
+            "CHATPLANE_RISK_CLASSES",
+            base.risk_classes,
+            parse=_parse_risk_classes,
+            expected="name=quota/tokens/concurrency[,...] (each a number or '-')",
+        ),
+        risk_class_by_user=env_value(
+            "CHATPLANE_ACCOUNT_RISK_CLASSES",
+            base.risk_class_by_user,
+            parse=_parse_account_risk_classes,
+            expected=f"user_id=class[,...] (at most {ACCOUNT_RISK_CLASSES_MAX})",
+        ),
     )
+
+
+# The per-account risk setting names at most this many accounts (a per-key map, bounded).
+ACCOUNT_RISK_CLASSES_MAX = 10_000
+_RISK_NAME = re.compile(r"^[a-z0-9_]{1,32}$")
+
+
+def _parse_risk_classes(raw: str) -> dict[str, Any]:
+    """``elevated=10/20000/1,watch=-/50000/-``: per class, quota / token budget / concurrency."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in raw.split(","))):
+        name, _, limits = item.partition("=")
+        parts = limits.split("/")
+        if not _RISK_NAME.match(name) or len(parts) != 3:
+            raise ValueError(item)
+        values = [None if p.strip() == "-" else int(p) for p in parts]
+        if any(v is not None and v < 0 for v in values):
+            raise ValueError(item)
+        if values[2] is not None and values[2] < 1:
+            raise ValueError(item)
+        out[name] = RiskLimits(quota_limit=values[0], token_budget=values[1], concurrency_limit=values[2])
+    return out
+
+
+def _parse_account_risk_classes(raw: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in raw.split(","))):
+        user, _, name = item.partition("=")
+        if not user or not _RISK_NAME.match(name):
+            raise ValueError(item)
+        out[user] = name
+    if len(out) > ACCOUNT_RISK_CLASSES_MAX:
+        raise ValueError(raw)
+    return out

@@ -205,6 +205,9 @@ def edge_settings(bootstrap: str, topology: Topology, **over: Any) -> EdgeSettin
     base = dict(
         kafka_bootstrap=bootstrap, topology=topology, inbox_partition=EDGE_INBOX_PARTITION, capacity_check=False,
         decision_timeout_s=10.0, disconnect_grace_s=0.5, read_model=False,
+        # Every test client is 127.0.0.1 standing for many users: no per-address bucket unless a test
+        # turns it on (tests/integration/test_admission_policy.py).
+        ip_burst=0.0,
     )
     base.update(over)
     return EdgeSettings(**base)
@@ -254,6 +257,8 @@ class EdgeProcess:
             "CHATPLANE_EDGE_CAPACITY_CHECK": "0",
             "CHATPLANE_EDGE_READ_MODEL": "0",
             "CHATPLANE_EDGE_DECISION_TIMEOUT_S": "10",
+            # 127.0.0.1 stands for many users here: no per-address bucket unless the caller sets one.
+            "CHATPLANE_EDGE_IP_BURST": "0",
             "CHATPLANE_DEV_MODE": "1",  # also when a bench script starts it without tests/conftest.py
             "PYTHONUNBUFFERED": "1",
             **{k: str(v) for k, v in env.items()},

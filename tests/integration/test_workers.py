@@ -121,8 +121,10 @@ async def test_a_prompt_published_beside_the_submit_spares_the_round_trip_to_the
         second = await edge.wait_finalized(asked)
         assert second.status is RequestStatus.COMPLETED
         assert not worker.traces[(asked, 1)].prompt_published and edge.prompt_requests[asked] == 1
-        # The engine saw the same prompt both ways (the sim engine counts its words as input tokens).
-        assert first.input_tokens == second.input_tokens > 10
+        # The engine saw the same prompt both ways (the sim engine counts its words as input tokens;
+        # the ledger's usage names the admission's count, docs/core.md "Token budget").
+        assert worker.traces[(published, 1)].input_tokens == worker.traces[(asked, 1)].input_tokens > 10
+        assert first.input_tokens == second.input_tokens == 10
         assert worker.prompt_reader.found >= 1 and worker.prompt_reader.missed >= 1
 
 

@@ -40,6 +40,7 @@ class Ledger:
             concurrency_limit=self.policy.concurrency_limit,
             dedup_retention_ms=self.policy.dedup_retention_ms,
             records_max=self.policy.dedup_records_per_user_max,
+            token_overshoot_max=self.policy.token_overshoot_max,
         )
         self._ids = itertools.count(1)
         self.all_events: list[Any] = []

@@ -26,7 +26,7 @@ from schemas.topics import Topology
 class _InstantProducer:
     """Stands in for the producer: accepts every send at once (the decision then comes from the test)."""
 
-    async def send_and_wait(self, topic, value, key=None, partition=None):
+    async def send_and_wait(self, topic, value, key=None, partition=None, headers=None):
         return None
 
 

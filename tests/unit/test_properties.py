@@ -31,7 +31,7 @@ from control_plane.aggregate import RECENT_DECISIONS_MAX, Aggregate, handle
 from control_plane.decide import decide
 from control_plane.evolve import evolve_all
 from control_plane.invariants import InvariantMonitor, check_state
-from control_plane.policy import HOUR_MS, ModelEntry, Policy
+from control_plane.policy import HOUR_MS, ModelEntry, Policy, RiskLimits
 from control_plane.state import UserLedger
 from schemas import commands as cmd
 from schemas import events as ev
@@ -66,6 +66,15 @@ REPLY = ReplyTo(topic="chatplane.edge-inbox", partition=0, request_id="req")
 
 POLICY = Policy(
     quota_limit_by_tier={Tier.FREE: 3, Tier.PAID: 5},
+    # Token budget on for the free tier only (paid: off, the default), small enough that it refuses
+    # (two 1,000-token requests fill it); reports run past small reservations (up to 300 tokens on
+    # 100), so overshoot and its bound are hit; u1 is in a risk class by the per-account setting and
+    # some submits claim one.
+    token_budget_by_tier={Tier.FREE: 2_500, Tier.PAID: 0},
+    token_overshoot_max=150,
+    token_lost_report_bound=50,
+    risk_classes={"elevated": RiskLimits(quota_limit=2, token_budget=3_000, concurrency_limit=1)},
+    risk_class_by_user={"u1": "elevated"},
     concurrency_limit=2,
     dedup_records_per_user_max=6,  # small, so that new keys meet the bound (and are refused) often
     models={
@@ -95,6 +104,7 @@ class LedgerMachine(RuleBasedStateMachine):
             concurrency_limit=POLICY.concurrency_limit,
             dedup_retention_ms=POLICY.dedup_retention_ms,
             records_max=POLICY.dedup_records_per_user_max,
+            token_overshoot_max=POLICY.token_overshoot_max,
         )
         self.events: dict[str, list[ev.Event]] = {u: [] for u in USERS}
         self.commands: dict[str, list[tuple[Any, Any]]] = {u: [] for u in USERS}  # (command, decision)
@@ -207,8 +217,9 @@ class LedgerMachine(RuleBasedStateMachine):
         max_output_tokens=st.sampled_from([100] * 4 + [1000] * 4 + [5000]),
         skew=SKEW,
         read=st.sampled_from(["no deadline"] * 4 + ["in time"] * 2 + ["late"]),
+        risk_class=st.sampled_from([""] * 5 + ["elevated", "unknown"]),
     )
-    def submit(self, user, key, fingerprint, tier, model, queue_wait_ms, max_output_tokens, skew, read) -> None:
+    def submit(self, user, key, fingerprint, tier, model, queue_wait_ms, max_output_tokens, skew, read, risk_class) -> None:
         # The edge's decision deadline and the processor's read stamp (its clock is now_ms).
         stamps = {}
         if read != "no deadline":
@@ -223,6 +234,7 @@ class LedgerMachine(RuleBasedStateMachine):
             max_output_tokens=max_output_tokens,
             input_tokens=10,
             estimated_queue_wait_ms=queue_wait_ms,
+            risk_class=risk_class,
             **stamps,
         )
         before = self.aggregates[user].ledger
@@ -317,9 +329,10 @@ class LedgerMachine(RuleBasedStateMachine):
         outcome=st.sampled_from([FinishOutcome.COMPLETED] * 3 + [FinishOutcome.STOPPED, FinishOutcome.FAILED]),
         error_code=st.sampled_from([None, RejectionCode.GENERATION_TIMEOUT, RejectionCode.QUOTA_EXHAUSTED]),
         tokens=st.integers(0, 300),
+        delivered=st.sampled_from([None, 0, 40, 1_000]),
         skew=SKEW,
     )
-    def report(self, data, delta, as_owner, outcome, error_code, tokens, skew) -> None:
+    def report(self, data, delta, as_owner, outcome, error_code, tokens, delivered, skew) -> None:
         user, g = self.pick(data)
         epoch = self.pick_epoch(user, g, delta)
         worker = (self.owner(user, g) if as_owner else None) or "w-stranger"
@@ -334,6 +347,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 output_tokens=tokens,
                 finish_reason="stop" if outcome is FinishOutcome.COMPLETED else "",
                 error_code=error_code,
+                delivered_tokens=delivered,
             )
         )
 
@@ -443,8 +457,9 @@ def test_the_monitor_counts_a_window_across_its_retirement():
     assert decision.events[0].window_start_ms == T0
     violations = replay.observe_batch(decision.events)
     # 1: a third message admitted against a limit of two; 2: the re-created window's counters
-    # (used 0) disagree with what the history consumed in it (2).
-    assert sorted(v.invariant for v in violations) == [1, 2], violations
+    # (used 0) disagree with what the history consumed in it (2); 13: so do its token counters
+    # (tokens_used 0) with the usage records charged to it.
+    assert sorted(v.invariant for v in violations) == [1, 2, 13], violations
 
 
 def test_usage_of_a_generation_that_outlives_its_window_still_names_that_window():

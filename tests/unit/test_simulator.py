@@ -193,3 +193,57 @@ def test_the_core_that_forgot_keys_within_retention_at_the_bound_is_caught(monke
     _broken(monkeypatch, decide_purging_the_oldest)
     message = _expect_failure(range(1, 4), 25_000, "invariant 7")
     assert "within its retention" in message, message
+
+
+# --- the token budget (docs/core.md, "Token budget") -------------------------------------------
+
+TOKEN_CONFIG = SimConfig(token_budget=1_500, token_overshoot_p=0.05)
+
+
+@pytest.mark.parametrize("seed", range(1, 4))
+def test_a_seeded_run_with_the_token_budget_on_keeps_every_invariant(seed: int) -> None:
+    sim = simulate(seed, 15_000, TOKEN_CONFIG)
+    rejections = sim.stats.rejections
+    # Both refusals by tokens happened, and the settlement paths were all taken: reports at and
+    # above the reservation (overshoot, some at its bound) and lost reports settled by the timer.
+    assert rejections["quota_exhausted:tokens"] > 0 and rejections["concurrency_limited:tokens"] > 0
+    usage = [e for e in sim.ledger.values() if isinstance(e, ev.UsageRecorded)]
+    assert any(u.overshoot_tokens == TOKEN_CONFIG.token_overshoot_max for u in usage)
+    assert any(0 < u.overshoot_tokens < TOKEN_CONFIG.token_overshoot_max for u in usage)
+    assert any(u.outcome is None for u in usage)  # settled after a lost report
+    assert any(isinstance(e, ev.ReservationReleased) and e.tokens_released for e in sim.ledger.values())
+    assert sim.monitor.unsettled_token_reservations() == {}
+
+
+def test_a_core_that_skips_the_token_check_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    def decide_without_tokens(state, command, policy):
+        if isinstance(command, cmd.SubmitGeneration):
+            # Decide as if no tokens were used or held in any window: the over-admission must not go unnoticed.
+            windows = {k: dataclasses.replace(w, tokens_used=0, tokens_reserved=0) for k, w in state.windows.items()}
+            state = dataclasses.replace(state, windows=windows)
+        return decide(state, command, policy)
+
+    _broken(monkeypatch, decide_without_tokens)
+    _expect_failure(range(1, 4), 10_000, "invariant 11", config=TOKEN_CONFIG)
+
+
+def test_a_core_that_settles_a_token_reservation_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    def decide_settling_twice(state, command, policy):
+        decision = decide(state, command, policy)
+        if isinstance(command, cmd.ReportAttemptFinished):
+            # A release as if it had never started, beside its usage record: a second settlement.
+            extra = [
+                ev.ReservationReleased(
+                    event_id=f"{command.command_id}/{len(decision.events)}", command_id=command.command_id,
+                    user_id=e.user_id, generation_id=e.generation_id, occurred_at_ms=e.occurred_at_ms,
+                    reservation_id=reservation_id(e.generation_id, e.epoch), window_start_ms=e.window_start_ms,
+                    epoch=e.epoch, reason=ev.FenceReason.DECLINED, tokens_released=e.tokens_reserved,
+                )
+                for e in decision.events
+                if isinstance(e, ev.UsageRecorded) and e.tokens_reserved
+            ]
+            decision = Decision(decision.events + tuple(extra), decision.outcome)
+        return decision
+
+    _broken(monkeypatch, decide_settling_twice)
+    _expect_failure(range(1, 4), 10_000, "invariant 12", "invariant 3", config=TOKEN_CONFIG)

@@ -54,7 +54,7 @@ def test_offsets_are_committed_only_below_the_oldest_unsettled_dispatch():
 class _InstantProducer:
     """Stands in for the producer: accepts every send at once (the decision then comes from the test)."""
 
-    async def send_and_wait(self, topic, value, key=None, partition=None):
+    async def send_and_wait(self, topic, value, key=None, partition=None, headers=None):
         return None
 
 
@@ -93,7 +93,7 @@ class _RecordingProducer:
         self.sent: list[tuple[str, bytes]] = []
         self.arrived = None
 
-    async def send_and_wait(self, topic, value, key=None, partition=None):
+    async def send_and_wait(self, topic, value, key=None, partition=None, headers=None):
         self.sent.append((topic, value))
         if self.arrived is not None:
             self.arrived.set()
