@@ -17,13 +17,17 @@ The formulas (per component; ``G`` generations/s, ``S`` open streams, ``U`` targ
                         ceil(S x edge_kib_per_stream / (edge_memory - edge_base)),
                         ceil(S / CHATPLANE_EDGE_STREAMS_MAX))
                     and the edge inbox needs one partition per edge (EDGE_INBOX_PARTITIONS);
-* processors:       ceil(G x processor_ms / 1000 / U); commands/s per partition = G x commands_per_gen / P,
+* processors:       ceil((G x processor_ms / 1000 + S x processor_cpu_per_stream) / U); commands/s per partition = G x commands_per_gen / P,
                     which must stay under one core's worth (1000 / ms_per_command x U): a partition is
                     decided in order by one instance, so P >= instances and P >= that quotient;
-* read models, history writers, workers' control-plane side: ceil(G x ms / 1000 / U);
-* Kafka:            cores = G x kafka_ms / 1000 x replication / U; disk = G x bytes_per_gen x replication;
+* read models, history writers, workers' control-plane side: ceil((G x ms / 1000 + S x cpu_per_stream) / U);
+* Kafka:            cores = (G x kafka_ms / 1000 + S x kafka_cpu_per_stream) x replication / U; disk = G x bytes_per_gen x replication;
                     brokers = max(ceil(cores / broker_cores), ceil(disk / broker_disk_write), replication);
-* Cassandra:        the same with cassandra_ms and its disk bytes, times its replication factor.
+* Cassandra:        the same with cassandra_ms, its per-stream CPU and its disk bytes, times its replication factor.
+
+A generation's own cost (admission, dispatch, acceptance, finalization, projections, 8 output tokens)
+is per generation; the cost of a stream's tokens while it is open (deltas to the edge, replay rows,
+renewals) is per held stream at the seed's 20 tokens/s, from the held-streams phase.
 
 The per-process CPU is measured on one machine with everything on loopback and a single replica of
 everything; what that leaves out is said in docs/capacity.md.
@@ -120,11 +124,12 @@ def inputs_from(record: dict, source: str, rate: float | None) -> Inputs:
     base = hold.get("rss_mib_before", {})
     edge_base = sum(v for k, v in base.items() if kind(k) == "edge") if base else None
     cpu_per_stream = {kind(k): v / 100.0 for k, v in hold.get("cpu_pct_per_stream", {}).items()}
-    commands_topic = COMMANDS.name.removeprefix("chatplane.")
+    # bench_stack names topics without the run's namespace prefix: "chatplane.commands"
+    commands = next((n for t, n in records.items() if t in (COMMANDS.name, COMMANDS.name.removeprefix("chatplane."))), 0.0)
     return Inputs(
         source=source, commit=record.get("commit", "unknown"), rate=phase["rate"], marginal_cpu_ms=marginal,
         kafka_records_per_gen=sum(records.values()), kafka_bytes_per_gen=float(phase["kafka_bytes_per_generation"]),
-        commands_per_gen=float(records.get(commands_topic, 0.0)),
+        commands_per_gen=float(commands),
         cassandra_bytes_per_gen=float(phase["cassandra_disk_bytes_per_generation"]),
         edge_kib_per_stream=edge_kib, edge_base_mib=edge_base, cpu_cores_per_stream=cpu_per_stream,
     )
@@ -154,28 +159,28 @@ def model(i: Inputs, a: Assumptions, g: float, s: int) -> dict:
         by_streams_cap=by_cap, inbox_partitions_needed=edges, inbox_partitions_now=EDGE_INBOX.partitions)
 
     # Processors: one event loop (one core) each; partitions must cover instances and per-partition load.
-    proc_cores = g * ms.get("processor", 0.0) / 1000
+    proc_cores = g * ms.get("processor", 0.0) / 1000 + s * i.cpu_cores_per_stream.get("processor", 0.0)
     procs = ceil(proc_cores / u)
     commands_s = g * i.commands_per_gen
     ms_per_command = ms.get("processor", 0.0) / max(i.commands_per_gen, 1e-9)
     per_partition_max = 1000.0 / max(ms_per_command, 1e-9) * u
     partitions = max(procs * a.partition_growth, ceil(commands_s / per_partition_max))
-    row("processor", procs, "G x ms / 1000 / U", "cpu", cores=proc_cores, commands_per_s=commands_s,
+    row("processor", procs, "(G x ms / 1000 + S x per stream) / U", "cpu", cores=proc_cores, commands_per_s=commands_s,
         ms_per_command=ms_per_command, commands_per_s_per_partition_max=per_partition_max,
         user_partitions_needed=partitions, user_partitions_now=USER_PARTITIONS)
     for comp in ("readmodel", "history", "worker"):
         if comp in ms:
-            cores = g * ms[comp] / 1000
-            row(comp, ceil(cores / u), "G x ms / 1000 / U", "cpu", cores=cores)
+            cores = g * ms[comp] / 1000 + s * i.cpu_cores_per_stream.get(comp, 0.0)
+            row(comp, ceil(cores / u), "(G x ms / 1000 + S x per stream) / U", "cpu", cores=cores)
 
     # Kafka: every record is written once per replica; CPU measured with one replica, scaled by it.
-    kafka_cores = g * ms.get("kafka", 0.0) / 1000 * a.kafka_replication
+    kafka_cores = (g * ms.get("kafka", 0.0) / 1000 + s * i.cpu_cores_per_stream.get("kafka", 0.0)) * a.kafka_replication
     kafka_mib_s = g * i.kafka_bytes_per_gen * a.kafka_replication / (1024 * 1024)
     brokers = max(ceil(kafka_cores / (a.broker_cores * u)), ceil(kafka_mib_s / (a.broker_disk_write_mib_s * u)),
                   a.kafka_replication)
     row("kafka broker", brokers, "max(cpu x RF, disk x RF, RF)", "cpu" if kafka_cores / a.broker_cores >= kafka_mib_s / a.broker_disk_write_mib_s else "disk",
         cores=kafka_cores, records_per_s=g * i.kafka_records_per_gen, disk_mib_s=kafka_mib_s)
-    cass_cores = g * ms.get("cassandra", 0.0) / 1000 * a.cassandra_replication
+    cass_cores = (g * ms.get("cassandra", 0.0) / 1000 + s * i.cpu_cores_per_stream.get("cassandra", 0.0)) * a.cassandra_replication
     nodes = max(ceil(cass_cores / (a.cassandra_node_cores * u)), a.cassandra_replication)
     row("cassandra node", nodes, "max(cpu x RF, RF)", "cpu", cores=cass_cores,
         disk_mib_s=g * i.cassandra_bytes_per_gen * a.cassandra_replication / (1024 * 1024))
