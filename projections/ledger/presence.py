@@ -36,6 +36,12 @@ log = logging.getLogger("chatplane.processor.presence")
 LEASE_INTERVALS_MIN = 3
 # How long the reader waits for records in one poll.
 POLL_TIMEOUT_MS = 500
+# The log counts as flowing while fetch responses come at most half a lease apart, but never judged on
+# a gap tighter than this: an empty long poll alone takes POLL_TIMEOUT_MS, and on a loaded machine the
+# next one comes a few hundred ms later. Without the floor a short lease (1.5 s: 750 ms) saw the log
+# "stop" at almost every poll, every edge got a fresh lease each time, and a dead edge was never
+# judged lost (found by tests/integration/test_fleet.py with CHATPLANE_EDGE_PRESENCE_LEASE_MS=1500).
+FLOWING_GAP_MIN_MS = 3 * POLL_TIMEOUT_MS
 
 
 def monotonic_ms() -> int:
@@ -66,7 +72,8 @@ class PresenceView:
         self._last_response = now_ms
 
     def _flowing(self, now_ms: int) -> bool:
-        return self._last_response is not None and now_ms - self._last_response <= self.lease_ms // 2
+        gap_ms = max(self.lease_ms // 2, FLOWING_GAP_MIN_MS)
+        return self._last_response is not None and now_ms - self._last_response <= gap_ms
 
     def lost(self, edge_id: str, now_ms: int) -> bool:
         """Whether ``edge_id`` is gone: unheard for its lease while the log was flowing all along."""

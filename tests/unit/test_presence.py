@@ -66,3 +66,14 @@ def test_the_view_is_bounded_least_recently_heard_first():
     for i, edge_id in enumerate(("a", "b", "c")):
         view.observe(beat(edge_id), i)
     assert len(view) == 2
+
+
+def test_a_short_lease_still_judges_when_fetch_responses_come_as_slowly_as_a_loaded_poll():
+    """A 1.5 s lease with the broker answering every 900 ms (a 500 ms empty long poll plus a loaded
+    event loop): the log is flowing, so an edge silent for its lease is lost. With half the lease
+    (750 ms) as the only bound, every response restarted the grace and the edge was never judged."""
+    view = PresenceView(1_500, edges_max=10)
+    flowing(view, 0, 5_400, step_ms=900, beats=("a", "b"))
+    flowing(view, 6_300, 9_000, step_ms=900, beats=("a",))  # b falls silent after 5,400
+    assert view.lost("b", 9_000)
+    assert not view.lost("a", 9_000)
