@@ -49,9 +49,10 @@ def _events(text: str) -> list[tuple[int | None, str, dict[str, Any]]]:
 @pytest.fixture
 async def stack(request, kafka_bootstrap, topology, running_processor, cassandra_hosts, cassandra_port, fresh_keyspace,
                 tmp_path, edge_process_factory):  # noqa: F811
-    inter_token_ms, buffer_bytes, worker_env = getattr(request, "param", (40, None, {}))
+    inter_token_ms, buffer_bytes, worker_env, *rest = getattr(request, "param", (40, None, {}))
+    result_ttl_s = rest[0] if rest else RESULT_TTL_S
     cass = {"CHATPLANE_CASSANDRA_HOSTS": ",".join(cassandra_hosts), "CHATPLANE_CASSANDRA_PORT": str(cassandra_port),
-            "CHATPLANE_CASSANDRA_KEYSPACE": fresh_keyspace, "CHATPLANE_RESULT_TTL_S": str(RESULT_TTL_S)}
+            "CHATPLANE_CASSANDRA_KEYSPACE": fresh_keyspace, "CHATPLANE_RESULT_TTL_S": str(result_ttl_s)}
     projection = ProjectionProcess(kafka_bootstrap, topology.namespace, tmp_path, **cass)
     worker = WorkerProcess(kafka_bootstrap, topology, tmp_path, engine="sim", CHATPLANE_WORKER_RESULT_STORE="cassandra",
                            CHATPLANE_SIM_TTFT_MS=10, CHATPLANE_SIM_INTER_TOKEN_MS=inter_token_ms,
@@ -194,7 +195,10 @@ async def test_a_finished_generation_replays_whole_then_410_and_never_for_anothe
 # buffers take from a reader that stops); edge 2 buffers 8 KiB a stream.
 @pytest.mark.parametrize(
     "stack",
-    [(1, 8192, {"CHATPLANE_WORKER_DELTA_COALESCE_CHARS_MAX": 0, "CHATPLANE_WORKER_DELTA_INTERVAL_MS": 0})],
+    # A result kept 120 s: the fast reader replays 4,000 single-token deltas and only then reads the
+    # result; on the 2-core CI machine that ended more than the other tests' 20 s after the generation
+    # completed, and the result had expired (410) before it was read (fresh-clone CI, 2026-12-06).
+    [(1, 8192, {"CHATPLANE_WORKER_DELTA_COALESCE_CHARS_MAX": 0, "CHATPLANE_WORKER_DELTA_INTERVAL_MS": 0}, 120)],
     indirect=True,
 )
 async def test_a_slow_replayer_is_cut_off_while_a_fast_reader_gets_the_whole_generation(stack):
