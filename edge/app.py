@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from projections.shared.metrics_http import LATENCY_BUCKETS_S
 from schemas.codes import REJECTIONS
 
 # Every label value a submit decision can count under, exported at 0 from the start so a dashboard
@@ -23,7 +24,6 @@ CONNECTION_CLOSE_REASONS = ("head_timeout", "connections_max")
 SHED_REASONS = ("decisions_late", "edge_busy", "in_flight_limit")  # edge.shedding
 OUTCOME_DROP_REASONS = ("buffer_full", "send_failed")  # edge.outcomes
 
-_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class EdgeMetrics:
@@ -36,22 +36,22 @@ class EdgeMetrics:
         )
         self.decision_latency = Histogram(
             "chatplane_edge_decision_seconds", "POST received -> typed decision (admission or refusal).",
-            buckets=_LATENCY_BUCKETS_S, registry=r,
+            buckets=LATENCY_BUCKETS_S, registry=r,
         )
         self.first_token = Histogram(
             "chatplane_edge_time_to_first_text_token_seconds", "POST received -> first text delta forwarded.",
-            buckets=_LATENCY_BUCKETS_S, registry=r,
+            buckets=LATENCY_BUCKETS_S, registry=r,
         )
         # Reported by the web page (POST /v1/client-metrics): Enter -> first token rendered, as the
         # person saw it, beside the server-side figure above (seed: tracked separately).
         self.client_first_token = Histogram(
             "chatplane_edge_client_first_token_seconds",
             "Client-observed time from send to first rendered token (web page beacon; content-free).",
-            buckets=_LATENCY_BUCKETS_S, registry=r,
+            buckets=LATENCY_BUCKETS_S, registry=r,
         )
         self.queue_age = Histogram(
             "chatplane_edge_queue_age_seconds", "Admission -> first text delta (queueing plus prefill).",
-            buckets=_LATENCY_BUCKETS_S, registry=r,
+            buckets=LATENCY_BUCKETS_S, registry=r,
         )
         self.active_streams = Gauge("chatplane_edge_active_streams", "Generations held by this edge.", registry=r)
         self.buffered_bytes = Gauge("chatplane_edge_buffered_bytes", "Bytes waiting in stream buffers.", registry=r)
@@ -105,7 +105,7 @@ class EdgeMetrics:
         )
         self.admission_probe_latency = Histogram(
             "chatplane_edge_admission_probe_seconds", "Admission probe appended -> its decision back (answered probes).",
-            buckets=_LATENCY_BUCKETS_S, registry=r,
+            buckets=LATENCY_BUCKETS_S, registry=r,
         )
         self.admission_probes = Counter(
             "chatplane_edge_admission_probes", "Admission probes by result (up, timeout, error).", ["result"], registry=r

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from projections.shared.metrics_http import LATENCY_BUCKETS_S
 from schemas.codes import FinishOutcome, Tier
 from workers.worker import AttemptState, AttemptTrace, DeclineReason, StopReason
 
@@ -37,7 +38,6 @@ DECLINE_REASONS = (*(r.value for r in DeclineReason), "stopped_before_accept", "
 PHASES = ("preparing", "prefill", "decode", "stopping")
 _PREPARING = frozenset({AttemptState.TAKEN, AttemptState.PROMPT_REQUESTED, AttemptState.ACCEPT_REQUESTED, AttemptState.ACCEPTED})
 
-_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _INTER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -71,15 +71,15 @@ class WorkerMetrics:
         self.queue_age = Histogram(
             "chatplane_worker_queue_age_at_acceptance_seconds",
             "Dispatch authorized (admission) -> the processor's acceptance arrived here (processor and worker clocks).",
-            buckets=_LATENCY_BUCKETS_S, registry=r,
+            buckets=LATENCY_BUCKETS_S, registry=r,
         )
         self.first_token = Histogram(
             "chatplane_worker_time_to_first_token_seconds",
             "Dispatch authorized (admission) -> the engine's first token here (queueing, prompt, accept, prefill).",
-            buckets=_LATENCY_BUCKETS_S, registry=r,
+            buckets=LATENCY_BUCKETS_S, registry=r,
         )
         self.prefill = Histogram(
-            "chatplane_worker_prefill_seconds", "Engine started -> its first token.", buckets=_LATENCY_BUCKETS_S,
+            "chatplane_worker_prefill_seconds", "Engine started -> its first token.", buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.inter_token = Histogram(
@@ -90,7 +90,7 @@ class WorkerMetrics:
         self.stop_latency = Histogram(
             "chatplane_worker_stop_seconds",
             "Stop requested (cancel, fence, lease lost, max tokens, ...) -> the engine acknowledged it stopped.",
-            ["reason"], buckets=_LATENCY_BUCKETS_S, registry=r,
+            ["reason"], buckets=LATENCY_BUCKETS_S, registry=r,
         )
         self.tokens_after_stop = Histogram(
             "chatplane_worker_tokens_after_stop", "Tokens the engine generated after a stop was requested.",

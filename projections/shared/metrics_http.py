@@ -40,6 +40,9 @@ PORT_MAX = 65_535
 METRICS_CONNECTIONS_MAX = 16  # scrapes served at once; one Prometheus needs one
 METRICS_REQUEST_HEAD_BYTES_MAX = 8_192  # request line plus headers
 METRICS_REQUEST_TIMEOUT_S = 5.0  # to read the request head, and to write the answer
+# Histogram buckets of request-scale latencies (decisions, first tokens, queue age, stops), shared by the
+# edge's and the workers' series so their panels compare bucket for bucket.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class MetricsPortUnavailable(RuntimeError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -46,6 +47,21 @@ PROMPT_WAIT_S = 5.0
 HTTP_TIMEOUT_S = 30.0
 EDGE_START_TIMEOUT_S = 60.0
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def sse_events(text: str) -> list[tuple[int | None, str, dict[str, Any]]]:
+    """An SSE body as (id, event, data) per event; comments (heartbeats) and partial blocks skipped."""
+    out = []
+    for block in text.split("\n\n"):
+        fields: dict[str, str] = {}
+        for line in block.splitlines():
+            if line.startswith(":") or ": " not in line:
+                continue
+            k, v = line.split(": ", 1)
+            fields[k] = v
+        if "event" in fields:
+            out.append((int(fields["id"]) if "id" in fields else None, fields["event"], json.loads(fields["data"])))
+    return out
 
 
 def now_ms() -> int:

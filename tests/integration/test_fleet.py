@@ -53,7 +53,7 @@ from schemas.wire import decode_command, decode_message, encode
 from tests.integration.ledger_harness import ProcessorProcess, wait_until_committed, wait_until_deciding
 from tests.integration.nginx_harness import NginxProcess, nginx_binary
 from tests.integration.readmodel_load import ProjectionProcess
-from tests.integration.test_edge_harness import EdgeProcess
+from tests.integration.test_edge_harness import EdgeProcess, sse_events
 from tests.integration.workers_harness import WorkerProcess, ledger_events
 
 pytestmark = pytest.mark.integration
@@ -93,20 +93,6 @@ def user_on(partitions: set[int], tag: str) -> str:
 
 def body(tokens: int, stream: bool = False, text: str = "Tell me a story.") -> dict[str, Any]:
     return {"model": MODEL, "stream": stream, "max_output_tokens": tokens, "messages": [{"role": "user", "content": text}]}
-
-
-def sse_events(text: str) -> list[tuple[int | None, str, dict[str, Any]]]:
-    out = []
-    for block in text.split("\n\n"):
-        fields: dict[str, str] = {}
-        for line in block.splitlines():
-            if line.startswith(":") or ": " not in line:
-                continue
-            k, v = line.split(": ", 1)
-            fields[k] = v
-        if "event" in fields:
-            out.append((int(fields["id"]) if "id" in fields else None, fields["event"], json.loads(fields["data"])))
-    return out
 
 
 def error_code(r: httpx.Response) -> str | None:

@@ -9,7 +9,6 @@ partitions, all on a fresh topology and keyspace.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import socket
 import time
@@ -21,7 +20,7 @@ import pytest
 
 from schemas import events as ev
 from tests.integration.readmodel_load import ProjectionProcess
-from tests.integration.test_edge_harness import edge_process_factory  # noqa: F401 (fixture)
+from tests.integration.test_edge_harness import edge_process_factory, sse_events  # noqa: F401 (fixture)
 from tests.integration.workers_harness import WorkerProcess, ledger_events
 
 pytestmark = pytest.mark.integration
@@ -30,20 +29,6 @@ MODEL = "simulated-text-model"
 WAIT_S = 60.0
 GRACE_S = 3.0
 RESULT_TTL_S = 20
-
-
-def _events(text: str) -> list[tuple[int | None, str, dict[str, Any]]]:
-    out = []
-    for block in text.split("\n\n"):
-        fields: dict[str, str] = {}
-        for line in block.splitlines():
-            if line.startswith(":") or ": " not in line:
-                continue
-            k, v = line.split(": ", 1)
-            fields[k] = v
-        if "event" in fields:
-            out.append((int(fields["id"]) if "id" in fields else None, fields["event"], json.loads(fields["data"])))
-    return out
 
 
 @pytest.fixture
@@ -87,9 +72,9 @@ async def _read_some(http: httpx.AsyncClient, url: str, headers: dict[str, str],
         assert r.status_code == 200, await r.aread()
         async for chunk in r.aiter_text():
             seen += chunk
-            if sum(1 for _, name, _ in _events(seen) if name == "generation.text.delta") >= deltas:
+            if sum(1 for _, name, _ in sse_events(seen) if name == "generation.text.delta") >= deltas:
                 break
-    return _events(seen)
+    return sse_events(seen)
 
 
 async def _follow(http: httpx.AsyncClient, gid: str, headers: dict[str, str], last_id: int | None = None, **params: Any) -> list:
@@ -98,7 +83,7 @@ async def _follow(http: httpx.AsyncClient, gid: str, headers: dict[str, str], la
         h["Last-Event-ID"] = str(last_id)
     r = await http.get(f"/v1/generations/{gid}/events", headers=h, params=params, timeout=WAIT_S)
     assert r.status_code == 200, r.text
-    return _events(r.text)
+    return sse_events(r.text)
 
 
 def _check_whole(events: list, text: str) -> None:
