@@ -38,6 +38,10 @@ const state = {
   models: [],
   history: true, // false when the conversation store is unavailable: stateless turns
   conversations: [],
+  // Conversations this page created that the store's list has not shown yet: the list is written from
+  // the log by the history writer and can lag it, so these stay at the top of the sidebar until it
+  // shows them (at most LIMITS.conversationsPage).
+  unlisted: [],
   conversation: null, // {id, revision, title}
   earlierBefore: null,
   turns: [], // {role, text, status, el}
@@ -198,7 +202,9 @@ async function loadConversations() {
   try {
     const doc = await json("GET", `/v1/conversations?limit=${LIMITS.conversationsPage}`);
     state.history = true;
-    state.conversations = doc.data;
+    const listed = new Set(doc.data.map((c) => c.id));
+    state.unlisted = state.unlisted.filter((c) => !listed.has(c.id));
+    state.conversations = [...state.unlisted, ...doc.data];
     $("history-note").hidden = true;
   } catch (e) {
     if (e instanceof Refusal && e.code === "history_unavailable") {
@@ -294,6 +300,7 @@ async function deleteConversation(id) {
     notice(e.message);
     return;
   }
+  state.unlisted = state.unlisted.filter((c) => c.id !== id);
   if (state.conversation && state.conversation.id === id) newChat();
   await loadConversations();
 }
@@ -410,6 +417,7 @@ async function send(text) {
       if (!state.conversation) {
         const c = await json("POST", "/v1/conversations", { body: { title: text.trim().slice(0, 80) }, key: newKey() });
         state.conversation = { id: c.id, revision: c.revision, title: c.title };
+        state.unlisted = [c, ...state.unlisted].slice(0, LIMITS.conversationsPage);
         state.conversations.unshift(c);
         renderConversations();
       }
