@@ -919,6 +919,7 @@ def _report(state: UserLedger, c: ReportAttemptFinished, policy: Policy, out: _E
                 finish_reason=c.finish_reason,
                 result_expires_at_ms=c.issued_at_ms + policy.result_ttl_ms,
                 sequence=_terminal_sequence(c),
+                result_stored=c.result_stored,
             )
             status = RequestStatus.COMPLETED
         elif c.outcome is FinishOutcome.STOPPED and attempt.cancel_reason is not None:

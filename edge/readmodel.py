@@ -24,6 +24,9 @@ from schemas.codes import RejectionCode, RequestStatus
 log = logging.getLogger("chatplane.edge.readmodel")
 
 READ_MODEL_REOPEN_INTERVAL_S = 5.0
+# Retry-After of a 503 result_pending: the worker's result sink retries its held texts every 2 s
+# (CHATPLANE_WORKER_RESULT_RETRY_INTERVAL_S).
+RESULT_PENDING_RETRY_AFTER_S = 2
 READ_MODEL_OPEN_TIMEOUT_S = 10.0
 
 
@@ -71,10 +74,15 @@ class ReadModel:
             raise _unavailable() from None
         if v is None:
             return None, None
-        return _view(v), (v.result_text if v.result is ResultState.AVAILABLE else None)
+        view = _view(v)
+        view.result_pending = v.result is ResultState.PENDING
+        return view, (v.result_text if v.result is ResultState.AVAILABLE else None)
 
     async def result(self, generation_id: str, owner: str) -> str | None:
-        """The retained text of a completed generation, or None when it has expired (410)."""
+        """The retained text of a generation the caller knows completed (the ledger's finalization
+        or the processor's answer), or None when it has expired (410). Raises the 503
+        ``result_pending`` while the worker still holds a text it could not store yet, and while the
+        read model has not projected the completion (it trails the ledger): not expired, not yet."""
         from projections.readmodel.queries import ReadModelUnavailable, ResultState
 
         reader = await self._get_reader()
@@ -82,7 +90,9 @@ class ReadModel:
             v = await reader.get(generation_id, owner=owner, include_result=True)
         except ReadModelUnavailable:
             raise _unavailable() from None
-        if v is None or v.result is not ResultState.AVAILABLE:
+        if v is None or v.result is ResultState.PENDING or v.status is not RequestStatus.COMPLETED:
+            raise result_pending(generation_id)
+        if v.result is not ResultState.AVAILABLE:
             return None
         return v.result_text
 
@@ -99,6 +109,12 @@ def _view(v: Any) -> GenerationView:
     )
     view.terminal_sequence, view.result_expires_at_ms = v.terminal_sequence, v.result_expires_at_ms
     return view
+
+
+def result_pending(generation_id: str, extra: dict[str, Any] | None = None) -> ApiError:
+    """503 result_pending (retryable): completed, its text held by the worker for a later write."""
+    return ApiError(RejectionCode.RESULT_PENDING, retry_after_s=RESULT_PENDING_RETRY_AFTER_S,
+                    extra={"generation_id": generation_id, **(extra or {})})
 
 
 def _unavailable() -> ApiError:

@@ -115,6 +115,9 @@ class GenerationView:
     revision: int | None = None
     terminal_sequence: int = 0  # the terminal event's id as the processor fixed it (0: after the last delta)
     result_expires_at_ms: int | None = None
+    # Completed, and its text not stored yet (the worker holds it for a later write): the content
+    # answers 503 result_pending, not 410 result_unavailable (projections.readmodel.queries).
+    result_pending: bool = False
 
 
 class StreamHub:

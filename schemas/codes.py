@@ -137,6 +137,10 @@ class RejectionCode(StrEnum):
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     GENERATION_IN_PROGRESS = "generation_in_progress"
     RESULT_UNAVAILABLE = "result_unavailable"
+    # The generation completed, but the worker's result sink had not stored its text when it reported
+    # (a slow or unreachable result store: the text is held for a later write). Retry shortly; after
+    # the read model's pending window it answers result_unavailable like an expired result.
+    RESULT_PENDING = "result_pending"
     QUOTA_EXHAUSTED = "quota_exhausted"
     RATE_LIMITED = "rate_limited"
     CONCURRENCY_LIMITED = "concurrency_limited"
@@ -186,6 +190,7 @@ REJECTIONS: dict[RejectionCode, RejectionSpec] = {
         _spec(_C.IDEMPOTENCY_CONFLICT, 409, False, _A.USE_NEW_KEY, "This Idempotency-Key was used with different content."),
         _spec(_C.GENERATION_IN_PROGRESS, 409, False, _A.INSPECT_GENERATION, "A generation for this request is already in progress."),
         _spec(_C.RESULT_UNAVAILABLE, 410, False, _A.REGENERATE_EXPLICITLY, "The generation's content has expired."),
+        _spec(_C.RESULT_PENDING, 503, True, _A.RETRY_AFTER_DELAY, "The generation completed; its text is not stored yet. Retry shortly."),
         _spec(_C.QUOTA_EXHAUSTED, 429, False, _A.WAIT_FOR_RESET, "Your current message allowance has been used."),
         _spec(_C.RATE_LIMITED, 429, True, _A.RETRY_AFTER_DELAY, "Too many requests; wait before retrying."),
         _spec(_C.CONCURRENCY_LIMITED, 429, True, _A.RETRY_AFTER_DELAY, "Too many active generations; wait for one to finish."),

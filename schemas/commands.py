@@ -260,6 +260,11 @@ class ReportAttemptFinished:
     delivered_tokens: Count | None = None
     # Acceptance -> the engine's first token, in ms (None: no token came); recorded with the usage.
     ttft_ms: Count | None = None
+    # A completed attempt's final text: True when the worker's result sink had stored it before this
+    # report; False when the sink holds it for a later write (the read model answers result_pending
+    # for a while instead of result_unavailable); None when no result store is in use (or a worker
+    # from before the field).
+    result_stored: bool | None = None
     reply_to: ReplyTo | None = None
 
 

@@ -219,6 +219,10 @@ class GenerationCompleted(_EventBase):
     # terminal state, so every edge replays the same ids (issue 16). Added within version 1; 0 (the
     # default, and a terminal no worker reported) means "after the last stored delta".
     sequence: int = 0
+    # The worker's ``ReportAttemptFinished.result_stored``: False means its result sink still held
+    # the text for a later write when it reported (the read model answers result_pending, not
+    # result_unavailable, while that write may still land). Added within version 1; None: unknown.
+    result_stored: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,7 +20,8 @@ class MemoryResultSink:
         default_factory=collections.OrderedDict
     )
 
-    async def put(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> None:
+    async def put(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> bool | None:
         self.items[(generation_id, epoch)] = (text, usage)
         while len(self.items) > self.max_items:
             self.items.popitem(last=False)
+        return True

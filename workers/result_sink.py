@@ -27,8 +27,11 @@ Failure behaviour (bounded, typed, never hangs the worker):
   over ``RESULT_TEXT_BYTES_MAX``, or held when the worker stops) is counted (``not_stored``) and logged
   without its text; a same-key retry of that generation is answered 410 ``result_unavailable``
   exactly as after the TTL, and inference is never rerun for it. Until a held result is written, a
-  retry gets that 410 too (the chaos run found 31 completed results lost to a 10-second Cassandra
-  restart before the later write existed).
+  retry gets 503 ``result_pending`` (retryable, with Retry-After): ``put`` returns False, the worker
+  reports ``result_stored=False`` and the read model answers "pending" for
+  ``CHATPLANE_READ_MODEL_RESULT_PENDING_S`` after the completion, then ``result_unavailable`` (the
+  chaos run found 31 completed results lost to a 10-second Cassandra restart before the later write
+  existed).
 """
 
 from __future__ import annotations
@@ -125,7 +128,8 @@ class CassandraResultSink:
             return
         self._store = task.result()  # close() releases it, also when it arrives after close() began
 
-    async def put(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> None:
+    async def put(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> bool | None:
+        """True: stored; False: held for the later write; None: over the size limit (never stored)."""
         error = "deadline"
         attempt_timeout_s = self.deadline_s / self.attempts_max  # one hung write cannot eat the whole budget
         try:
@@ -135,11 +139,11 @@ class CassandraResultSink:
                         store = await self._get_store()
                         await store.put(generation_id, epoch, text, usage, timeout_s=attempt_timeout_s)
                         self.stats.stored += 1
-                        return
+                        return True
                     except ResultTooLarge:
                         self.stats.too_large += 1
                         log.warning("result of %s epoch %d over the size limit: not stored", generation_id, epoch)
-                        return
+                        return None
                     except Exception as exc:  # noqa: BLE001 - any driver/connection error is retried, bounded
                         error = type(exc).__name__
                         self.stats.last_error = error
@@ -153,6 +157,7 @@ class CassandraResultSink:
             "anyway; held for a later write", generation_id, epoch, error, self.attempts_max, self.deadline_s,
         )
         self._hold(generation_id, epoch, text, usage)
+        return False
 
     def _hold(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> None:
         size = len(text.encode())

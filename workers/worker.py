@@ -107,7 +107,10 @@ class MissingTopics(RuntimeError):
 class ResultSink(Protocol):
     """Where the final text of an attempt goes before the worker reports completion (issue 7: Cassandra)."""
 
-    async def put(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> None: ...
+    async def put(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> bool | None:
+        """True: stored; False: not stored yet (held for a later write); None: never stored here
+        (no store, or the text is over its size limit). Reported as ``result_stored``."""
+        ...
 
 
 class ServedModel(Protocol):
@@ -122,7 +125,7 @@ class ServedModel(Protocol):
 class NullResultSink:
     """Keeps nothing (the default when no result store is wired)."""
 
-    async def put(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> None:
+    async def put(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> bool | None:
         return None
 
 
@@ -1217,11 +1220,12 @@ class _Attempt:
         outcome, code, reason = self._reported()
         trace.outcome = outcome
         spooled = False
+        stored: bool | None = None
         if keeps_result(self.stop.reason):
             text = "".join(self.text_parts)
             # The stored usage names the admission's input count, as the ledger's usage record does
             # (it is authoritative: docs/core.md, "Token budget"); the report carries the engine's own.
-            await self.worker.result_sink.put(d.generation_id, d.epoch, text, (d.input_tokens, tokens))
+            stored = await self.worker.result_sink.put(d.generation_id, d.epoch, text, (d.input_tokens, tokens))
             if d.conversation_id:
                 spooled = await self.worker.spool_answer(d, text, outcome is FinishOutcome.COMPLETED, tokens)
         # Acceptance -> the engine's first token, recorded with the usage (the SLO report's fallback TTFT).
@@ -1235,6 +1239,7 @@ class _Attempt:
                 finish_reason=reason, error_code=code if outcome is FinishOutcome.FAILED else None,
                 answer_spooled=spooled, last_sequence=self.sequence, ttft_ms=ttft_ms,
                 delivered_tokens=min(self.tokens_delivered, tokens),
+                result_stored=stored if outcome is FinishOutcome.COMPLETED else None,
             ),
             tracing.headers(span),
         )

@@ -32,6 +32,7 @@ from edge.errors import DRAINING_RETRY_AFTER_S, ApiError
 from edge.fingerprint import fingerprint
 from edge.history import PreparedTurn, prepare_turn
 from edge.outcomes import note_decision, note_stream
+from edge.readmodel import result_pending
 from edge.replay import REPLAY_LOOKUP_WAIT_S, Replay, resume_point
 from edge.settings import EdgeSettings
 from edge import sse
@@ -561,10 +562,13 @@ async def get_generation(request: Request, principal: CurrentPrincipal, generati
             doc["partial"] = True
             return JSONResponse(doc, headers={"Cache-Control": "no-store"})
     if view.status is RequestStatus.COMPLETED and text is None:
-        # The content is past its retention; the metadata outlives it and is served with the 410.
+        # The content is past its retention (410), or not stored yet (503, retry); the metadata is
+        # served with either.
         doc = _document(view, None)
-        extra = {"generation_id": generation_id, "status": doc["status"], "model_version": doc["model_version"], "usage": doc["usage"]}
-        raise ApiError(RejectionCode.RESULT_UNAVAILABLE, extra=extra)
+        extra = {"status": doc["status"], "model_version": doc["model_version"], "usage": doc["usage"]}
+        if view.result_pending:
+            raise result_pending(generation_id, extra)
+        raise ApiError(RejectionCode.RESULT_UNAVAILABLE, extra={"generation_id": generation_id, **extra})
     return JSONResponse(_document(view, text), headers={"Cache-Control": "no-store"})
 
 
@@ -593,9 +597,12 @@ async def generation_events(
     if view is None:
         raise ApiError(RejectionCode.NOT_FOUND)
     if view.status is RequestStatus.COMPLETED:
-        # Past the result TTL its deltas are gone with its text: 410, as GET answers.
+        # Past the result TTL its deltas are gone with its text: 410, as GET answers (503
+        # result_pending while the worker still holds a text it could not store yet).
         expires = view.result_expires_at_ms
-        _, text = await edge.lookup_with_result(generation_id, principal.user_id)
+        read, text = await edge.lookup_with_result(generation_id, principal.user_id)
+        if text is None and read is not None and read.result_pending:
+            raise result_pending(generation_id)
         if text is None or (expires is not None and expires <= _now_ms()):
             raise ApiError(RejectionCode.RESULT_UNAVAILABLE, extra={"generation_id": generation_id})
     await edge.replay.store()  # 503 now, not an empty stream, when the store cannot be reached

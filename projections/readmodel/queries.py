@@ -18,6 +18,8 @@ The whole API (for the edge engineer)::
         # view.status, view.model_version, view.input_tokens, view.output_tokens, timestamps ...
         # view.result is a ResultState: AVAILABLE (view.result_text holds the text), EXPIRED (completed
         #    but past the TTL: 410 result_unavailable for the content, status and usage still served),
+        #    PENDING (completed, its worker still held the text for a later write when it reported, and
+        #    within settings.result_pending_s of the completion: 503 result_pending, retry shortly),
         #    NOT_APPLICABLE (not completed: no content exists).
     stored = await reader.result_for_outcome(outcome)
         # for a same-key retry the processor answered Outcome(kind=EXISTING, status=completed, ...):
@@ -73,9 +75,21 @@ class ResultUnavailable(LookupError):
         self.generation_id = generation_id
 
 
+class ResultPending(LookupError):
+    """The generation completed but its text is not stored yet (the worker holds it for a later
+    write): 503 ``result_pending``, retryable."""
+
+    code = RejectionCode.RESULT_PENDING
+
+    def __init__(self, generation_id: str) -> None:
+        super().__init__(f"result of {generation_id} is not stored yet")
+        self.generation_id = generation_id
+
+
 class ResultState(StrEnum):
     AVAILABLE = "available"
     EXPIRED = "expired"  # -> RejectionCode.RESULT_UNAVAILABLE for the content
+    PENDING = "pending"  # -> RejectionCode.RESULT_PENDING: the worker's later write may still store it
     NOT_APPLICABLE = "not_applicable"  # not completed: there is no content to serve
 
 
@@ -112,21 +126,34 @@ class GenerationView:
     terminal_sequence: int = 0  # the terminal event's SSE id (0: after the last stored delta)
 
     def require_result(self) -> str:
-        """The retained text, or ``ResultUnavailable`` (completed, expired) / ``LookupError`` (not completed)."""
+        """The retained text, or ``ResultUnavailable`` (completed, expired) / ``ResultPending``
+        (completed, not stored yet) / ``LookupError`` (not completed)."""
         if self.result is ResultState.AVAILABLE and self.result_text is not None:
             return self.result_text
         if self.result is ResultState.EXPIRED:
             raise ResultUnavailable(self.generation_id)
+        if self.result is ResultState.PENDING:
+            raise ResultPending(self.generation_id)
         raise LookupError(f"generation {self.generation_id} is {self.status.value}: no result")
 
 
-def _view(row: Any, stored: StoredResult | None, now_ms: int) -> GenerationView:
+def _view(row: Any, stored: StoredResult | None, now_ms: int, pending_ms: int = 0) -> GenerationView:
     status = RequestStatus(row.status)
     expires = row.result_expires_at_ms
+    live = expires is None or now_ms < expires
     if status is not RequestStatus.COMPLETED:
         result, text = ResultState.NOT_APPLICABLE, None
-    elif stored is not None and (expires is None or now_ms < expires) and stored.epoch == (row.epoch or stored.epoch):
+    elif stored is not None and live and stored.epoch == (row.epoch or stored.epoch):
         result, text = ResultState.AVAILABLE, stored.text
+    elif (
+        live
+        and getattr(row, "result_stored", None) is False
+        and row.finished_at_ms is not None
+        and now_ms < row.finished_at_ms + pending_ms
+    ):
+        # Not "expired": the worker reported before its result store took the text and holds it for
+        # a later write (workers/result_sink.py), which may still land.
+        result, text = ResultState.PENDING, None
     else:
         result, text = ResultState.EXPIRED, None
     return GenerationView(
@@ -233,7 +260,7 @@ class GenerationReader:
         if stored is not None and row.epoch is not None and stored.epoch != row.epoch:
             # The latest stored epoch is not the one that completed: ask for that epoch exactly.
             stored = await self.results.get(generation_id, row.epoch, timeout_s=self.deadline_s)
-        return _view(row, stored, int(time.time() * 1000))
+        return _view(row, stored, int(time.time() * 1000), int(self.settings.result_pending_s * 1000))
 
     async def result_for_outcome(self, outcome: Outcome) -> StoredResult:
         """For a same-key retry answered EXISTING/completed: the stored result or ``ResultUnavailable``."""

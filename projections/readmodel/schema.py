@@ -65,6 +65,7 @@ GENERATION_COLUMNS: dict[str, str] = {
     "updated_at_ms": "bigint",
     "result_expires_at_ms": "bigint",
     "terminal_sequence": "int",  # the terminal event's SSE id (resumable streams; 0/absent: after the last delta)
+    "result_stored": "boolean",  # GenerationCompleted.result_stored (False: the worker still held the text)
     "ledger_partition": "int",
     "revision": "bigint",
 }
@@ -91,7 +92,7 @@ def results_ddl(keyspace: str) -> str:
     )
 
 
-ADDED_GENERATION_COLUMNS = {"terminal_sequence": "int"}
+ADDED_GENERATION_COLUMNS = {"terminal_sequence": "int", "result_stored": "boolean"}
 
 
 async def _add_column(session: Any, keyspace: str, table: str, column: str, kind: str) -> None:
@@ -138,6 +139,11 @@ class ReadModelSettings:
     result_ttl_s: int = setting("CHATPLANE_RESULT_TTL_S", RESULT_TTL_S_DEFAULT, ge=1)
     metadata_ttl_s: int = setting("CHATPLANE_GENERATION_METADATA_TTL_S", GENERATION_METADATA_TTL_S_DEFAULT, ge=1)
     read_deadline_s: float = setting("CHATPLANE_READ_DEADLINE_S", READ_DEADLINE_S_DEFAULT, gt=0)
+    # How long after a completion whose worker still held the text (``result_stored`` False) a read
+    # without a stored result answers result_pending (503, retry) rather than result_unavailable
+    # (410): the worker's later write may still land. Keep it at the worker's
+    # CHATPLANE_WORKER_RESULT_PENDING_AGE_MAX_S (600 s), after which the worker gives the text up.
+    result_pending_s: float = setting("CHATPLANE_RESULT_PENDING_S", 600.0, ge=0)
     # Command ids the projection remembers to skip a redelivering processor's re-sends (writer.py).
     seen_commands_max: int = setting("CHATPLANE_READMODEL_SEEN_COMMANDS_MAX", 100_000, ge=1)
     # After a poll that found entries, the projection waits this long and polls again before writing,

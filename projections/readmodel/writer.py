@@ -139,6 +139,7 @@ def _apply(cols: Columns, e: ev.Event) -> bool:
             finished_at_ms=e.occurred_at_ms,
             partial=False,
             terminal_sequence=e.sequence,
+            result_stored=e.result_stored,
         )
     elif isinstance(e, ev.GenerationCancelled):
         cols.update(

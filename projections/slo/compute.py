@@ -73,7 +73,8 @@ ENTITLEMENT_CODES = frozenset({"quota_exhausted", "model_not_allowed"})
 DEMAND_ENVELOPE_CODES = frozenset({"rate_limited", "concurrency_limited", "idempotency_keys_exhausted"})
 # Answers about the request's existing state, not admission decisions about new work.
 REQUEST_STATE_CODES = frozenset(
-    {"idempotency_conflict", "generation_in_progress", "result_unavailable", "conversation_conflict", "not_found", "stale_attempt"}
+    {"idempotency_conflict", "generation_in_progress", "result_unavailable", "result_pending", "conversation_conflict", "not_found",
+     "stale_attempt"}
 )
 # The service's own refusals: availability failures.
 SERVICE_CODES = frozenset({"capacity_exhausted", "quota_service_unavailable", "history_unavailable"})

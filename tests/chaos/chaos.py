@@ -437,6 +437,10 @@ class Findings:
         self.problems.append(what)
 
 
+# GET's codes for a completed generation whose text is not in the result store (docs/edge.md).
+NOT_STORED_CODES = frozenset({"result_pending", "result_unavailable"})
+
+
 async def settle(stack: Stack, outcomes: list[Outcome], timeout_s: float) -> dict[str, dict[str, Any]]:
     """GET every generation a client saw, until each is settled or the time is up; the last documents."""
     owners = {o.generation_id: o.user for o in outcomes if o.generation_id}
@@ -450,8 +454,9 @@ async def settle(stack: Stack, outcomes: list[Outcome], timeout_s: float) -> dic
                     resp = await http.get(f"/v1/generations/{gid}",
                                           headers={"Authorization": f"Bearer {stack.token(owners[gid])}"})
                     doc = resp.json()
-                    # A completed generation whose text the result store does not hold answers 410
-                    # result_unavailable with its status beside the code (docs/edge.md).
+                    # A completed generation whose text the result store does not hold answers 503
+                    # result_pending (the worker holds it for a later write) or 410 result_unavailable,
+                    # with its status beside the code (docs/edge.md).
                     error = doc.get("error") or {}
                     docs[gid] = {"http": resp.status_code, "status": doc.get("status") or error.get("status"),
                                  "code": error.get("code", "")}
@@ -461,8 +466,8 @@ async def settle(stack: Stack, outcomes: list[Outcome], timeout_s: float) -> dic
             if pending:
                 await asyncio.sleep(1.0)
         # A completed result the worker could not store while Cassandra was down is written later
-        # (workers/result_sink.py): until then GET answers 410 result_unavailable. Give it its time.
-        unstored = {gid for gid, d in docs.items() if d.get("code") == "result_unavailable"}
+        # (workers/result_sink.py): until then GET answers 503 result_pending. Give it its time.
+        unstored = {gid for gid, d in docs.items() if d.get("code") in NOT_STORED_CODES}
         deadline = time.monotonic() + RESULT_LATER_WAIT_S
         while unstored and time.monotonic() < deadline:
             await asyncio.sleep(2.0)
@@ -575,8 +580,9 @@ def check(stack: Stack, load: Load, injector: Injector, docs: dict[str, dict[str
         generations_seen=len({o.generation_id for o in outs if o.generation_id}),
         get_status=dict(Counter(d.get("status") for d in docs.values())),
         # Completed, but the worker could not store the text (Cassandra down past its put budget,
-        # workers/result_sink.py): GET answers 410 result_unavailable; the ledger is unaffected.
-        results_not_stored=sum(d.get("code") == "result_unavailable" for d in docs.values()),
+        # workers/result_sink.py): GET answers 503 result_pending, then 410 result_unavailable; the
+        # ledger is unaffected.
+        results_not_stored=sum(d.get("code") in NOT_STORED_CODES for d in docs.values()),
         results_stored_later=sum(bool(d.get("stored_later")) for d in docs.values()),
         unsettled=unsettled, double_consumes=double, charged_wrong=charged_wrong,
         reserved_past_deadline=len(reserved_late), same_key_pairs=len(pairs),

@@ -120,3 +120,98 @@ async def test_sink_against_an_unreachable_cassandra_gives_up_within_its_budget(
     assert sink.stats.last_error is not None
     await sink.close()
     assert (sink.stats.held, sink.stats.not_stored) == (0, 2)  # given up when the worker stops
+
+
+class GatedTcpProxy:
+    """A TCP proxy to Cassandra for the worker alone: while closed, it accepts and drops every
+    connection (the worker's result store is unreachable); once opened, it forwards."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.open = False
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> GatedTcpProxy:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
+        if not self.open:
+            cwriter.transport.abort()
+            return
+        ureader, uwriter = await asyncio.open_connection(*self.upstream)
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+
+        try:
+            await asyncio.gather(pipe(creader, uwriter), pipe(ureader, cwriter))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            for w in (cwriter, uwriter):
+                w.transport.abort()
+
+
+async def test_a_result_the_worker_could_not_store_yet_is_pending_not_expired_then_served_once_written(
+    kafka_bootstrap, topology, running_processor, cassandra_session, cassandra_hosts, cassandra_port,
+    fresh_keyspace, tmp_path, monkeypatch,
+):
+    # The read model and the edges use Cassandra directly; the worker reaches it through a proxy that
+    # is closed while the generation completes: its result sink holds the text for the later write and
+    # the report says result_stored=False. Until that write lands, GET and a same-key retry answer 503
+    # result_pending (retryable), not 410 result_unavailable; once the proxy opens, the text is served.
+    cass_env = {"CHATPLANE_CASSANDRA_HOSTS": ",".join(cassandra_hosts), "CHATPLANE_CASSANDRA_PORT": str(cassandra_port),
+                "CHATPLANE_CASSANDRA_KEYSPACE": fresh_keyspace}
+    for k, v in cass_env.items():
+        monkeypatch.setenv(k, v)
+    async with GatedTcpProxy((cassandra_hosts[0], cassandra_port)) as proxy:
+        projection = ProjectionProcess(kafka_bootstrap, topology.namespace, tmp_path, **cass_env)
+        worker = WorkerProcess(kafka_bootstrap, topology, tmp_path, engine="sim", CHATPLANE_WORKER_RESULT_STORE="cassandra",
+                               CHATPLANE_WORKER_REPLAY_STORE="none", CHATPLANE_WORKER_RESULT_PUT_DEADLINE_S=1.0,
+                               CHATPLANE_WORKER_RESULT_RETRY_INTERVAL_S=0.5, CHATPLANE_SIM_TTFT_MS=10,
+                               CHATPLANE_SIM_INTER_TOKEN_MS=5,
+                               **{**cass_env, "CHATPLANE_CASSANDRA_HOSTS": "127.0.0.1", "CHATPLANE_CASSANDRA_PORT": str(proxy.port)})
+        projection.start()
+        worker.start()
+        user, key = f"u-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+        try:
+            async with serve_edge(edge_settings(kafka_bootstrap, topology, read_model=True)) as first, first.http() as http:
+                r = await http.post("/v1/generations", json=BODY, headers=first.headers(user, key))
+                assert r.status_code == 200, f"{r.text}\nworker log: {worker.log()}"
+                gid, text = r.json()["id"], r.json()["output"][0]["text"]
+            await _wait_projected(cassandra_session, fresh_keyspace, gid)
+            rows = await execute(cassandra_session, f"SELECT result_stored FROM {fresh_keyspace}.{GENERATIONS_TABLE} WHERE generation_id = %s", (gid,))
+            assert rows[0].result_stored is False, worker.log()
+
+            async with serve_edge(edge_settings(kafka_bootstrap, topology, read_model=True)) as second, second.http() as http:
+                got = await http.get(f"/v1/generations/{gid}", headers=second.headers(user))
+                assert got.status_code == 503, got.text
+                error = got.json()["error"]
+                assert (error["code"], error["retryable"], error["status"]) == ("result_pending", True, "completed"), error
+                assert got.headers["Retry-After"] == "2"
+                retry = await http.post("/v1/generations", json=BODY, headers=second.headers(user, key))
+                assert retry.status_code == 503 and retry.json()["error"]["code"] == "result_pending", retry.text
+
+                proxy.open = True  # the store is back: the worker's later write lands
+                deadline = time.monotonic() + PROJECTED_WAIT_S
+                while (got := await http.get(f"/v1/generations/{gid}", headers=second.headers(user))).status_code == 503:
+                    assert time.monotonic() < deadline, f"the later write never landed\n{worker.log()}"
+                    await asyncio.sleep(0.5)
+                assert got.status_code == 200 and got.json()["output"] == [{"type": "text", "text": text}], got.text
+                retry = await http.post("/v1/generations", json=BODY, headers=second.headers(user, key))
+                assert retry.status_code == 200 and retry.json()["output"] == [{"type": "text", "text": text}], retry.text
+            events = await ledger_events(kafka_bootstrap, topology, gid)
+            assert sum(isinstance(e, ev.AttemptAccepted) for e in events) == 1  # inference never reran
+            assert [e.result_stored for e in events if isinstance(e, ev.GenerationCompleted)] == [False]
+        finally:
+            worker.stop()
+            projection.stop()

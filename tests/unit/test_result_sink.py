@@ -49,8 +49,8 @@ async def test_opens_lazily_and_stores():
     store, opens = FakeStore(), []
     sink = CassandraResultSink(opener=opener_for(store, opens))
     assert opens == []  # nothing is opened before the first put
-    await sink.put("g1", 1, "hello", (3, 4))
-    await sink.put("g2", 1, "world", (3, 5))
+    assert await sink.put("g1", 1, "hello", (3, 4)) is True  # reported as result_stored
+    assert await sink.put("g2", 1, "world", (3, 5)) is True
     assert opens == [1]
     assert [c[:4] for c in store.calls] == [("g1", 1, "hello", (3, 4)), ("g2", 1, "world", (3, 5))]
     assert (sink.stats.stored, sink.stats.not_stored) == (2, 0)
@@ -68,7 +68,8 @@ async def test_transient_failure_is_retried_within_the_attempts():
 async def test_gives_up_after_attempts_without_raising():
     store, opens = FakeStore(fail_first=10), []
     sink = CassandraResultSink(attempts_max=3, backoff_s=0.0, opener=opener_for(store, opens))
-    await sink.put("g", 1, "t", (1, 1))  # does not raise: the worker reports completion anyway
+    # Does not raise: the worker reports completion anyway, with result_stored False (held).
+    assert await sink.put("g", 1, "t", (1, 1)) is False
     assert len(store.calls) == 3
     assert (sink.stats.stored, sink.stats.held, sink.stats.last_error) == (0, 1, "ConnectionError")
     await sink.close()  # a result still held when the worker stops is given up
@@ -115,7 +116,7 @@ async def test_failed_open_is_throttled():
 async def test_too_large_is_not_retried():
     store, opens = FakeStore(too_large=True), []
     sink = CassandraResultSink(opener=opener_for(store, opens))
-    await sink.put("g", 1, "x", (1, 1))
+    assert await sink.put("g", 1, "x", (1, 1)) is None  # never stored: not "pending" either
     assert len(store.calls) == 1 and sink.stats.too_large == 1 and sink.stats.not_stored == 0
 
 
