@@ -95,7 +95,9 @@ TERMINAL_SSE = ("generation.completed", "generation.cancelled", "generation.erro
 SETTLED = {"completed", "cancelled", "failed", "admission_retryable"}
 TYPED_CODES = {c.value for c in RejectionCode}
 # 5xx answers the seed types (section 5): anything else with a 5xx status is a defect.
-TYPED_5XX = {"quota_service_unavailable", "capacity_exhausted", "model_backend_error", "generation_timeout"}
+# result_pending: a same-key retry or GET of a completed generation whose text is not readable yet (the
+# worker holds it for a later write, or the read model has not projected the completion): retry shortly.
+TYPED_5XX = {"quota_service_unavailable", "capacity_exhausted", "model_backend_error", "generation_timeout", "result_pending"}
 
 
 def now_ms() -> int:
