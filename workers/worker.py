@@ -72,7 +72,7 @@ from workers.engines.base import (
     TextChunk,
 )
 from workers.engines.base import FinishReason as EngineFinishReason
-from projections.shared.policy_checks import PolicyCheck
+from projections.shared.policy_checks import PolicyCheck, output_hold
 from workers.settings import WorkerSettings
 from workers.prompts import PromptTopicReader
 from workers.replay_sink import NullReplaySink, ReplaySink
@@ -822,6 +822,8 @@ class _Attempt:
         self.cancel_span: Any = None
         # The tail of the allowed text the output check needs before the next chunk (its context).
         self.output_context = ""
+        # Allowed text held back by the output check's hold-back window (policy_checks.output_hold).
+        self.held = ""
 
     def _to(self, state: AttemptState) -> None:
         assert state in _NEXT_STATES[self.state], f"attempt {self.key}: {self.state.name} -> {state.name}"
@@ -1089,23 +1091,30 @@ class _Attempt:
                 tracing.record("worker.first_token", self.span, tracing.wall_ns(self.trace.engine_started_at), **self.ids)
         if self.state is AttemptState.STOPPING or self.stop.reason is StopReason.OUTPUT_REFUSED or not chunk.text:
             return  # after a stop nothing more reaches the client (still counted as usage)
+        text, delivered = chunk.text, chunk.output_tokens
         check = self.worker.policy_check
         if check is not None:
             # Between decode steps, before the text goes anywhere: refused text is neither sent nor
             # stored. The log names the ids and the check only.
-            verdict = check.check_output(self.output_context, chunk.text)
+            verdict = check.check_output(self.output_context, text)
             if verdict.refused:
                 log.info("output refused: %s epoch %d check=%s", self.d.generation_id, self.d.epoch, verdict.check)
+                self.held = ""  # the start of what was refused: never sent, never stored
                 self.stop.set(StopReason.OUTPUT_REFUSED)
                 return
             keep = check.output_context_chars
             if keep:
-                self.output_context = (self.output_context + chunk.text)[-keep:]
-        self.text_parts.append(chunk.text)
-        self.tokens_delivered = chunk.output_tokens
-        self.unsent.append(chunk.text)
-        self.unsent_chars += len(chunk.text)
-        if (
+                self.output_context = (self.output_context + text)[-keep:]
+                # The hold-back window: an allowed tail that may be the first part of a term the next
+                # chunk completes waits for that chunk (at most a term's length; released at the end).
+                text = self.held + text
+                hold = min(output_hold(check, self.output_context), len(text))
+                self.held = text[len(text) - hold :] if hold else ""
+                if hold:
+                    text, delivered = text[: len(text) - hold], self.tokens_delivered
+        if text:
+            self._take_text(text, delivered)
+        if self.unsent and (
             not self.send_futures  # the first text goes at once
             or self.unsent_chars >= self.settings.delta_coalesce_chars_max
             or (
@@ -1116,6 +1125,13 @@ class _Attempt:
             await self._send_delta()
         if chunk.output_tokens >= self.request.max_output_tokens:
             self.stop.set(StopReason.MAX_OUTPUT_TOKENS)
+
+    def _take_text(self, text: str, delivered_tokens: int) -> None:
+        """Allowed text: into the result and the next delta."""
+        self.text_parts.append(text)
+        self.tokens_delivered = delivered_tokens
+        self.unsent.append(text)
+        self.unsent_chars += len(text)
 
     async def _send_delta(self) -> None:
         assert self.worker.producer is not None and self.d.stream_to is not None
@@ -1205,6 +1221,10 @@ class _Attempt:
         d, trace = self.d, self.trace
         tracing.end(self.cancel_span, stop_reason=self.stop.reason)
         span = tracing.start("worker.finalize", self.span, **self.ids)
+        if self.held and self.stop.reason is not StopReason.OUTPUT_REFUSED:
+            # The hold-back window's tail: no later text completed a term with it.
+            self._take_text(self.held, self.tokens)
+            self.held = ""
         if self.unsent:
             await self._send_delta()  # text the engine produced before it ended or was stopped
         if self.send_futures:

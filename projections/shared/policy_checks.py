@@ -25,6 +25,7 @@ the first refusal wins. Nothing configured: no check at all (``load_policy_check
 
 from __future__ import annotations
 
+import bisect
 import importlib
 import re
 from collections.abc import Iterable, Sequence
@@ -72,6 +73,9 @@ class PolicyCheck(Protocol):
         words treats it as a word's end (conservative: nothing refused is ever sent)."""
         ...
 
+    # Optional: ``output_hold(text) -> int``, how many trailing characters of the allowed output may
+    # begin something the next text would complete; the worker holds them back (``Blocklist`` has one).
+
 
 class Blocklist:
     """Case-insensitive whole-word terms: a term matches where it is neither preceded nor followed by a
@@ -101,6 +105,8 @@ class Blocklist:
             if count > terms_max:
                 raise ValueError(f"more than {terms_max} terms")
         self._by_first = {k: tuple(sorted(v, key=len)) for k, v in by_first.items()}
+        # Every term in order, for ``output_hold``'s prefix lookups (one bisect per candidate start).
+        self._sorted = sorted(t for v in by_first.values() for t in v)
         self.terms_count = count
         # A term reaching into a delta starts within the last ``longest - 1`` characters before it; one
         # more shows whether a word character precedes it (no false match on a cut word).
@@ -124,6 +130,35 @@ class Blocklist:
                 if end > ends_after and folded.startswith(term, start) and not _WORD.match(folded, end):
                     return True
         return False
+
+    def output_hold(self, text: str) -> int:
+        """How many of the last characters of ``text`` (the output allowed so far, or at least its last
+        ``output_context_chars``) may be the first part of a term the next text completes: the worker
+        holds them back until it does or cannot (a hold-back window), so no part of a term split
+        across engine chunks is sent before the part that completes it is refused. The earliest word
+        start from which the rest of ``text`` is a proper prefix of some term; 0 when none is."""
+        terms = self._sorted
+        if not terms:
+            return 0
+        n = len(text)
+        # A term is at most ``output_context_chars`` long; a window that long may start mid-word, so
+        # its first character is never taken as a word's start unless it is the whole output.
+        first = 0 if n < self.output_context_chars else n - self.output_context_chars + 1
+        by_first = self._by_first
+        for word in _WORDS.finditer(text, max(0, first - 1)):
+            p = word.start()
+            if p < first:
+                continue  # the word began before the window (or is cut by it)
+            # A whole word followed by more text can begin a term only as that term's first word.
+            if word.end() < n and word.group(0).casefold() not in by_first:
+                continue
+            tail = text[p:].casefold()
+            i = bisect.bisect_left(terms, tail)
+            while i < len(terms) and terms[i].startswith(tail):
+                if len(terms[i]) > len(tail):
+                    return n - p
+                i += 1
+        return 0
 
     def check_prompt(self, messages: Sequence[ChatMessage]) -> PolicyVerdict:
         for m in messages:
@@ -158,10 +193,24 @@ class PolicyChecks:
     def check_output(self, context: str, delta: str) -> PolicyVerdict:
         for c in self.checks:
             keep = c.output_context_chars
-            verdict = c.check_output(context[len(context) - keep :] if keep else "", delta)
+            verdict = c.check_output(context[max(0, len(context) - keep) :] if keep else "", delta)
             if verdict.refused:
                 return verdict
         return ALLOWED
+
+    def output_hold(self, text: str) -> int:
+        return max(output_hold(c, text) for c in self.checks)
+
+
+def output_hold(check: PolicyCheck, text: str) -> int:
+    """``check.output_hold`` over its own context window when the check has one (the built-in does;
+    it is optional for a plug-in, which then holds nothing back), bounded by that window."""
+    hold = getattr(check, "output_hold", None)
+    if hold is None:
+        return 0
+    keep = check.output_context_chars
+    window = text[max(0, len(text) - keep) :] if keep else ""
+    return min(int(hold(window)), len(window))
 
 
 @dataclass(frozen=True)

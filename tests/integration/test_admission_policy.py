@@ -98,6 +98,14 @@ async def test_must_show_4_a_bad_token_flood_from_one_address_is_refused_by_its_
         typed(resp, RejectionCode.NOT_FOUND)
 
 
+async def _count_stream(http: httpx.AsyncClient, headers: dict[str, str]) -> list[tuple[str, dict]]:
+    """One streamed generation of up to 30 simulator tokens: its SSE events, to the end."""
+    async with http.stream("POST", "/v1/generations", json=body("Count for me.", stream=True, max_output_tokens=30),
+                           headers=headers) as stream:
+        assert stream.status_code == 200
+        return _sse((await stream.aread()).decode())
+
+
 def _sse(text: str) -> list[tuple[str, dict]]:
     out = []
     for block in text.split("\n\n"):
@@ -130,10 +138,7 @@ async def test_the_prompt_and_output_checks_refuse_at_their_boundaries(
             assert BLOCKED not in resp.text.lower() and err["details"] == {}
 
             # The output boundary: the simulator's fifth token is refused between decode steps.
-            async with http.stream("POST", "/v1/generations", json=body("Count for me.", stream=True, max_output_tokens=30),
-                                   headers=edge.headers(user, "output-key")) as stream:
-                assert stream.status_code == 200
-                events = _sse((await stream.aread()).decode())
+            events = await _count_stream(http, edge.headers(user, "output-key"))
             # Without a stream, the refusal is the HTTP answer itself (no header had gone out).
             resp = await http.post("/v1/generations", json=body("Count again.", max_output_tokens=30),
                                    headers=edge.headers(user, "plain-key"))
@@ -170,3 +175,42 @@ async def test_the_prompt_and_output_checks_refuse_at_their_boundaries(
         assert report.consumed == 2 and report.released == 0  # both refused answers spent their message
     finally:
         worker.stop()
+
+
+async def test_the_output_check_holds_back_the_first_part_of_a_term_split_across_chunks(
+    kafka_bootstrap, topology, processor_factory, client, edge_process_factory, tmp_path  # noqa: F811
+):
+    """The hold-back window (docs/policy.md): the simulator sends one token per chunk, so a two-token
+    term arrives split. Its first token is held until the second refuses it (never sent); a held
+    token that no term completes goes out with the next chunk, or at the end of the answer."""
+    processor = processor_factory()
+    processor.start()
+    await wait_until_deciding(client)
+    worker = WorkerProcess(
+        kafka_bootstrap, topology, tmp_path, engine="sim", CHATPLANE_SIM_TTFT_MS=10, CHATPLANE_SIM_INTER_TOKEN_MS=20,
+        CHATPLANE_SIM_OUTPUT_TOKENS=40, CHATPLANE_POLICY_BLOCKLIST="sim-token-2 never,sim-token-3 sim-token-4",
+    )
+    worker.start()
+    try:
+        edge = edge_process_factory()
+        await edge.start()
+        user = f"u-{uuid.uuid4().hex[:8]}"
+        async with edge.http() as http:
+            events = await _count_stream(http, edge.headers(user, "split-key"))
+            # Three tokens: "sim-token-3" ends the answer held (the term's first part) and is released
+            # at the end, since no fourth token completes it.
+            resp = await http.post("/v1/generations", json=body("Count to three.", max_output_tokens=3),
+                                   headers=edge.headers(user, "short-key"))
+            assert resp.status_code == 200, resp.text
+            doc = resp.json()
+        names = [name for name, _ in events]
+        assert names[0] == "generation.created" and names[-1] == "generation.error", names
+        assert events[-1][1]["code"] == "output_refused"
+        deltas = [data["delta"] for name, data in events if name == "generation.text.delta"]
+        # "sim-token-2" was held (it may begin "sim-token-2 never") and released with the third token's
+        # space; "sim-token-3" was held (it may begin the refused term) and never sent.
+        assert "".join(deltas) == "sim-token-1 sim-token-2 ", deltas
+        assert doc["status"] == "completed" and doc["output"] == [{"type": "text", "text": "sim-token-1 sim-token-2 sim-token-3"}], doc
+    finally:
+        worker.stop()
+        processor.stop()

@@ -13,6 +13,7 @@ from projections.shared.policy_checks import (
     PolicySettings,
     PolicyVerdict,
     load_policy_check,
+    output_hold,
 )
 from projections.shared.settings import SettingsError
 from schemas.codes import REJECTIONS, FinishOutcome, FinishReason, RejectionCode
@@ -51,6 +52,46 @@ def test_output_check_sees_a_term_split_across_deltas_and_ignores_judged_context
     assert not b.check_output("sim-token-4", " sim-token-").refused
     # A term that lies wholly in the context was judged before; a cut word at its start is no match.
     assert not b.check_output("sim-token-5", " next").refused
+
+
+def test_output_hold_covers_the_start_of_a_term_the_next_text_may_complete():
+    b = blocklist("sim-token-5", "two words", "Ab")
+    # The earliest word start from which the rest is a proper prefix of a term: held back.
+    assert b.output_hold("say sim-tok") == len("sim-tok")
+    assert b.output_hold("say sim-") == len("sim-")
+    assert b.output_hold("say TWO WO") == len("TWO WO")
+    assert b.output_hold("say two") == len("two")
+    # No term starts there, or it starts mid-word, or the tail already is a whole term (which the
+    # check refuses itself): nothing held.
+    assert b.output_hold("say sim-token-4") == 0
+    assert b.output_hold("say twofold") == 0
+    assert b.output_hold("unsim-tok") == 0
+    assert b.output_hold("say ab") == 0
+    assert b.output_hold("") == 0 and blocklist().output_hold("anything") == 0
+    # A window cut to output_context_chars never takes its first character for a word's start.
+    window = "x" * (b.output_context_chars - 3) + "two"
+    assert len(window) == b.output_context_chars and b.output_hold(window) == 0
+    assert b.output_hold("a" + window[1:].replace("x", " ")) == 3
+
+
+def test_several_checks_hold_the_longest_and_a_plug_in_without_a_hold_holds_nothing():
+    class NoHold:
+        name = "nohold"
+        output_context_chars = 4
+
+        def check_prompt(self, messages):  # pragma: no cover - not called here
+            return ALLOWED
+
+        def check_output(self, context, delta):
+            return ALLOWED
+
+    both = PolicyChecks([blocklist("two words"), blocklist("three little words"), NoHold()])
+    assert output_hold(NoHold(), "three little") == 0  # type: ignore[arg-type]
+    assert both.output_hold("say three little") == len("three little")
+    assert both.output_hold("say two") == len("two")
+    # Each check is given its own window of a shorter context whole (it was cut from its end once).
+    assert both.check_output("say three lit", "tle words").refused
+    assert both.check_output("x ", "two words").refused and not both.check_output("two", " wordsmith").refused
 
 
 def test_bounds_and_term_shape_are_enforced():
