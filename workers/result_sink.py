@@ -29,7 +29,7 @@ Failure behaviour (bounded, typed, never hangs the worker):
   exactly as after the TTL, and inference is never rerun for it. Until a held result is written, a
   retry gets 503 ``result_pending`` (retryable, with Retry-After): ``put`` returns False, the worker
   reports ``result_stored=False`` and the read model answers "pending" for
-  ``CHATPLANE_READ_MODEL_RESULT_PENDING_S`` after the completion, then ``result_unavailable`` (the
+  ``CHATPLANE_RESULT_PENDING_S`` after the completion, then ``result_unavailable`` (the
   chaos run found 31 completed results lost to a 10-second Cassandra restart before the later write
   existed).
 """
