@@ -1,0 +1,21 @@
+"""The suite's guard against a test straddling a quota window boundary (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from tests.conftest import WINDOW_MARGIN_S, seconds_to_next_window
+
+
+def at(text: str) -> float:
+    return dt.datetime.fromisoformat(text).replace(tzinfo=dt.UTC).timestamp()
+
+
+def test_seconds_to_the_next_fixed_utc_window():
+    assert seconds_to_next_window(at("2026-12-06T20:59:00")) == 60.0
+    assert seconds_to_next_window(at("2026-12-06T21:00:00")) == 3 * 3600.0
+    assert seconds_to_next_window(at("2026-12-06T23:30:00.500")) == 1799.5
+
+
+def test_the_margin_covers_a_long_test_but_not_a_window():
+    assert 60 <= WINDOW_MARGIN_S < 3600
