@@ -166,20 +166,20 @@ def cassandra_session(cassandra_hosts, cassandra_port):
 # per-test helpers
 
 
-# Quota windows are fixed UTC 3-hour windows of the real clock (control_plane.policy.WINDOW_MS), and
-# the processes a test starts read that clock. A test that counts messages ("one message spent")
-# assumes its requests and its usage query fall in one window; a test begun just before 00:00, 03:00,
-# ... 21:00 UTC would see its reservation in one window and an empty next one (a CI run on
-# 2026-12-06 failed so, at 21:00). So a test that would start within this margin of a boundary
+# Quota windows are fixed UTC 3-hour windows of the real clock (control_plane.policy.Policy), and the
+# processes a test starts read that clock. A test that counts messages ("one message spent") assumes
+# its requests and its usage query fall in one window; a test begun just before 00:00, 03:00, ...
+# 21:00 UTC could see its reservation in one window and an empty next one (the likely cause of a CI
+# failure on 2026-12-06 near 21:00). So a test that would start within this margin of a boundary
 # waits the boundary out first: at most once per run, at most this long.
 WINDOW_MARGIN_S = float(os.environ.get("CHATPLANE_TEST_WINDOW_MARGIN_S", "150"))
 
 
 def seconds_to_next_window(now_s: float) -> float:
-    from control_plane.policy import WINDOW_MS
+    from control_plane.policy import Policy
 
-    now_ms = int(now_s * 1000)
-    return (WINDOW_MS - now_ms % WINDOW_MS) / 1000
+    policy, now_ms = Policy(), int(now_s * 1000)
+    return (policy.window_start_ms(now_ms) + policy.window_ms - now_ms) / 1000
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from tests.conftest import WINDOW_MARGIN_S, seconds_to_next_window
+from tests.conftest import seconds_to_next_window
 
 
 def at(text: str) -> float:
@@ -16,6 +16,3 @@ def test_seconds_to_the_next_fixed_utc_window():
     assert seconds_to_next_window(at("2026-12-06T21:00:00")) == 3 * 3600.0
     assert seconds_to_next_window(at("2026-12-06T23:30:00.500")) == 1799.5
 
-
-def test_the_margin_covers_a_long_test_but_not_a_window():
-    assert 60 <= WINDOW_MARGIN_S < 3600
