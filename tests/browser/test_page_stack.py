@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
+import json
 import threading
 import time
 import uuid
@@ -204,7 +205,8 @@ async def test_a_dropped_connection_then_the_retry_with_the_same_key_is_one_gene
             assert doc["status"] == "completed" and answer_text(driver) == output_text(doc)
             # One message spent: the retry was the same logical request.
             quota = wait_for(lambda: (q := usage(edge, "carol"))["reserved"] == 0 and q, "a reservation stayed open")
-            assert quota["used"] == 1, quota
+            # The whole document (its window_start included) if this ever fails: pytest elides a dict.
+            assert quota["used"] == 1, json.dumps(quota)
             assert len(driver.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")) == 1
 
     await asyncio.to_thread(scenario)
