@@ -22,7 +22,8 @@ stack settles, the processors stop, and the checks run:
   terminal event, or in EOF only where its edge was killed; a connection broke only on a killed edge;
 * no engine kept working for a client that was gone: a generation whose edge died ended within the
   edge lease + lost-edge grace + ``ORPHAN_BOUND_MS``; one whose client hung up within the disconnect
-  grace + ``ORPHAN_BOUND_MS``;
+  grace + ``ORPHAN_BOUND_MS``; either plus the time the broker was down after the reader left (no
+  cancel can be appended then);
 * same-key retries from two clients named one generation.
 
 The seed, the fault schedule (planned, and as it ran) and the figures are printed; the same seed
@@ -71,6 +72,10 @@ DISCONNECT_GRACE_MS = 5_000  # CHATPLANE_EDGE_DISCONNECT_GRACE_S (default)
 # a fault of the schedule that lands meanwhile (a processor's partitions move in a rebalance, about
 # one session timeout).
 ORPHAN_BOUND_MS = 15_000
+# Faults that stop the cancel path itself: while the broker is down no detach, cancel or stop can be
+# appended or read, so an orphan's allowance grows by the part of the outage (as it ran, restart
+# included) that fell after its reader left. Nothing else extends it.
+LOG_OUTAGE_KINDS = frozenset({"restart_kafka"})
 SIM_ENV = {"CHATPLANE_SIM_TTFT_MS": 60, "CHATPLANE_SIM_INTER_TOKEN_MS": 20, "CHATPLANE_SIM_JITTER_MS": 5,
            "CHATPLANE_SIM_OUTPUT_TOKENS": 5_000}
 OUTPUT_TOKENS = (8, 16, 32, 64, 128, 300)  # 20 ms a token: up to 6 s of output
@@ -149,6 +154,7 @@ class Injector:
     def __init__(self, stack: Stack, faults: list[Fault]) -> None:
         self.stack, self.faults = stack, faults
         self.down: dict[str, list[tuple[int, int]]] = {}  # edge name -> [(killed_ms, back_ms)]
+        self.t0_ms = 0  # wall clock at the start of the load (offsets in the findings)
 
     def edge_killed_between(self, edge: str, t0_ms: int, t1_ms: int) -> int | None:
         for killed, back in self.down.get(edge, []):
@@ -157,6 +163,7 @@ class Injector:
         return None
 
     async def run(self, t0: float) -> None:
+        self.t0_ms = now_ms() - int((time.monotonic() - t0) * 1000)
         for f in self.faults:
             await asyncio.sleep(max(0.0, t0 + f.at_s - time.monotonic()))
             f.started_ms = now_ms()
@@ -495,6 +502,16 @@ async def ledger_by_generation(stack: Stack) -> dict[str, list[Any]]:
     return out
 
 
+def log_outage_ms(faults: list[Fault], gone_ms: int, end_ms: int) -> int:
+    """How much of [gone_ms, end_ms] the broker was down or restarting (``LOG_OUTAGE_KINDS``)."""
+    total = 0
+    for f in faults:
+        if f.kind in LOG_OUTAGE_KINDS and f.started_ms:
+            until = f.ended_ms or end_ms
+            total += max(0, min(until, end_ms) - max(f.started_ms, gone_ms))
+    return total
+
+
 def check(stack: Stack, load: Load, injector: Injector, docs: dict[str, dict[str, Any]],
           ledger: dict[str, list[Any]], report: Any) -> Findings:
     fx = Findings()
@@ -537,6 +554,7 @@ def check(stack: Stack, load: Load, injector: Injector, docs: dict[str, dict[str
             fx.bad(f"{gid}: consumed {consumed} with an accepted attempt: {accepted}")
     # -- orphans: a generation whose reader was gone ended within its grace + the bound ----------------
     orphan_ms: list[int] = []
+    in_outage: list[tuple[int, int]] = []  # (ran on, of which the broker was down) for orphans an outage overlapped
     for o in outs:
         if not o.generation_id or o.kind == "cancel_call":
             continue
@@ -554,8 +572,18 @@ def check(stack: Stack, load: Load, injector: Injector, docs: dict[str, dict[str
             continue  # reported above as unsettled or admission_retryable
         took = ends[0] - gone_ms
         orphan_ms.append(took)
-        if took > grace + ORPHAN_BOUND_MS:
-            fx.bad(f"{o.generation_id}: its reader was gone ({o.ending}) but it ran {took} ms on (grace {grace} + {ORPHAN_BOUND_MS})")
+        outage = log_outage_ms(injector.faults, gone_ms, ends[0])
+        if outage:
+            in_outage.append((took, outage))
+        if took > grace + ORPHAN_BOUND_MS + outage:
+            terminal = next(e for e in ledger[o.generation_id] if isinstance(e, ev.TERMINAL_EVENT_TYPES))
+            overlapping = [f"{f.kind} {f.target} at {(f.started_ms - injector.t0_ms) / 1000:.1f}s"
+                           f" for {(f.ended_ms - f.started_ms) / 1000:.1f}s"
+                           for f in injector.faults if f.started_ms and f.started_ms <= ends[0] and f.ended_ms >= gone_ms]
+            fx.bad(f"{o.generation_id}: its reader was gone ({o.ending}, on {o.edge} at "
+                   f"{(gone_ms - injector.t0_ms) / 1000:.1f}s) but it ran {took} ms on (grace {grace} + "
+                   f"{ORPHAN_BOUND_MS} + broker outage {outage}); it ended {type(terminal).__name__}; "
+                   f"faults meanwhile: {overlapping or 'none'}")
     # -- same-key retries from two clients -------------------------------------------------------------
     pairs: dict[tuple[str, str], set[str]] = {}
     for o in outs:
@@ -590,6 +618,7 @@ def check(stack: Stack, load: Load, injector: Injector, docs: dict[str, dict[str
         reserved_past_deadline=len(reserved_late), same_key_pairs=len(pairs),
         orphans=len(orphan_ms), orphan_end_ms_max=max(orphan_ms, default=0),
         orphan_end_ms_p50=sorted(orphan_ms)[len(orphan_ms) // 2] if orphan_ms else 0,
+        orphans_in_broker_outage=sorted(in_outage),
         audit_violations=len(report.violations), audit_mismatches=len(report.mismatches),
         ledger_consumed=report.consumed, ledger_released=report.released, ledger_terminal=dict(report.terminal),
     )

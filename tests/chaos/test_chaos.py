@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.chaos.chaos import chaos, plan_faults, render
+from tests.chaos.chaos import Fault, chaos, log_outage_ms, plan_faults, render
 
 CI_SEED = int(os.environ.get("CHATPLANE_CHAOS_SEED", "2"))
 CI_SLOT_S = 12.0
@@ -28,6 +28,18 @@ def test_the_same_seed_gives_the_same_schedule_and_a_round_holds_every_fault_onc
     assert {(f.kind, f.target) for f in a} == {("kill9", c) for c in COMPONENTS} | {
         ("restart_kafka", "kafka"), ("restart_cassandra", "cassandra"), ("stall", "worker-1")}
     assert [f.at_s for f in a] == sorted(f.at_s for f in a)
+
+
+def test_only_the_part_of_a_broker_outage_after_the_reader_left_extends_an_orphans_allowance():
+    faults = [Fault(0, "restart_kafka", "kafka", 4, started_ms=10_000, ended_ms=30_000),
+              Fault(0, "kill9", "worker-1", 2, started_ms=30_000, ended_ms=33_000),
+              Fault(0, "restart_cassandra", "cassandra", 4, started_ms=40_000, ended_ms=60_000)]
+    assert log_outage_ms(faults, 5_000, 35_000) == 20_000  # the whole outage, nothing for the worker kill
+    assert log_outage_ms(faults, 25_000, 50_000) == 5_000  # left in the outage's last 5 s; Cassandra counts nothing
+    assert log_outage_ms(faults, 5_000, 12_000) == 2_000  # ended 2 s into the outage
+    assert log_outage_ms(faults, 31_000, 70_000) == 0
+    running = [Fault(0, "restart_kafka", "kafka", 4, started_ms=10_000)]  # still down when it ended
+    assert log_outage_ms(running, 12_000, 20_000) == 8_000
 
 
 @pytest.mark.integration
