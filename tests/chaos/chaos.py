@@ -502,14 +502,16 @@ async def ledger_by_generation(stack: Stack) -> dict[str, list[Any]]:
     return out
 
 
+def overlap_ms(f: Fault, t0_ms: int, t1_ms: int) -> int:
+    """How much of [t0_ms, t1_ms] the fault ran (one still running runs to t1_ms; one not begun, 0)."""
+    if not f.started_ms:
+        return 0
+    return max(0, min(f.ended_ms or t1_ms, t1_ms) - max(f.started_ms, t0_ms))
+
+
 def log_outage_ms(faults: list[Fault], gone_ms: int, end_ms: int) -> int:
     """How much of [gone_ms, end_ms] the broker was down or restarting (``LOG_OUTAGE_KINDS``)."""
-    total = 0
-    for f in faults:
-        if f.kind in LOG_OUTAGE_KINDS and f.started_ms:
-            until = f.ended_ms or end_ms
-            total += max(0, min(until, end_ms) - max(f.started_ms, gone_ms))
-    return total
+    return sum(overlap_ms(f, gone_ms, end_ms) for f in faults if f.kind in LOG_OUTAGE_KINDS)
 
 
 def check(stack: Stack, load: Load, injector: Injector, docs: dict[str, dict[str, Any]],
@@ -578,8 +580,8 @@ def check(stack: Stack, load: Load, injector: Injector, docs: dict[str, dict[str
         if took > grace + ORPHAN_BOUND_MS + outage:
             terminal = next(e for e in ledger[o.generation_id] if isinstance(e, ev.TERMINAL_EVENT_TYPES))
             overlapping = [f"{f.kind} {f.target} at {(f.started_ms - injector.t0_ms) / 1000:.1f}s"
-                           f" for {(f.ended_ms - f.started_ms) / 1000:.1f}s"
-                           for f in injector.faults if f.started_ms and f.started_ms <= ends[0] and f.ended_ms >= gone_ms]
+                           f" for {((f.ended_ms or ends[0]) - f.started_ms) / 1000:.1f}s"
+                           for f in injector.faults if overlap_ms(f, gone_ms, ends[0])]
             fx.bad(f"{o.generation_id}: its reader was gone ({o.ending}, on {o.edge} at "
                    f"{(gone_ms - injector.t0_ms) / 1000:.1f}s) but it ran {took} ms on (grace {grace} + "
                    f"{ORPHAN_BOUND_MS} + broker outage {outage}); it ended {type(terminal).__name__}; "
