@@ -60,10 +60,10 @@ def build_engine(model: CatalogModel, weights: Path | None) -> Engine:
 
             return SimulatedEngine(SimConfig.from_env())
         case EngineKind.CPU:
-            from workers.engines.cpu import CpuEngine
+            from workers.engines.cpu import CpuEngine, PromptIdsLog
 
             assert weights is not None
-            return CpuEngine(weights, context_tokens=model.context_tokens)
+            return CpuEngine(weights, context_tokens=model.context_tokens, prompt_ids_log=PromptIdsLog.from_env())
         case EngineKind.SGLANG:
             from workers.engines.sglang import SGLangEngine
 

@@ -21,9 +21,10 @@ import functools
 from dataclasses import dataclass
 import importlib.util
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from projections.shared.catalog import CatalogModel, ModelFileMissing, TokenizerKind, weights_digest
+from projections.shared.prompt_framing import FramingError, Render, framed_pieces, framed_prompt_ids
 
 FALLBACK_BYTES_PER_TOKEN = 3
 FALLBACK_TOKENS_PER_MESSAGE = 4
@@ -88,9 +89,11 @@ def count_message_tokens(model: CatalogModel, role: str, content: str) -> int:
     With the model's vocabulary: the content's tokens plus the tokens the model's own chat template
     (the GGUF's ``tokenizer.chat_template``, the one the CPU engine renders) puts around a message of
     this role (``<|im_start|>user\n`` ... ``<|im_end|>\n`` in ChatML: 5 for a user message, 6 for an
-    assistant one in SmolLM2's vocabulary). Special tokens are atomic, so a prompt's tokens are the sum
-    of its messages' (``tests/unit/test_context_tokenizer.py`` checks the sum against the tokens of
-    the whole rendered prompt). Without it: the estimate (bytes / 3 plus
+    assistant one in SmolLM2's vocabulary). The content is counted as plain text, as every engine
+    tokenizes it (``projections.shared.prompt_framing``): a ``<|im_end|>`` typed by a user is several
+    ordinary tokens, never a control token. Special tokens are atomic, so a prompt's tokens are the sum
+    of its messages' (``tests/unit/test_context_tokenizer.py`` checks the sum against the ids the cpu
+    engine runs). Without it: the estimate (bytes / 3 plus
     ``FALLBACK_TOKENS_PER_MESSAGE``), the same for every role.
     """
     path = vocabulary_path(model)
@@ -111,38 +114,64 @@ class Framing:
 
 @functools.lru_cache(maxsize=VOCABS_CACHED_MAX)
 def _framing(path: str) -> Framing:  # pragma: no cover - needs llama-cpp-python
-    """The template's framing, measured once per weights file by rendering one-letter messages.
+    """The template's framing, measured once per weights file as the engines frame a prompt.
 
+    Framing is what ``framed_pieces`` calls template text: everything but message contents, tokenized
+    with special tokens parsed; contents are tokenized as plain text (``_token_count``), so the count
+    is the length of ``llama_prompt_ids`` for any content, control markers typed by a user included.
     Without a chat template in the file: ``FALLBACK_TOKENS_PER_MESSAGE`` everywhere (the figure used
     before the framing was measured), and no generation prompt.
     """
     vocab = _vocab(path)
-    template = vocab.metadata.get("tokenizer.chat_template")
-    if not template:
+    if not vocab.metadata.get("tokenizer.chat_template"):
         fallback = FALLBACK_TOKENS_PER_MESSAGE
         return Framing(fallback, {"user": fallback, "assistant": fallback}, 0)
+
+    def framing_tokens(messages: list[tuple[str, str]], generation_prompt: bool) -> int:
+        pieces = framed_pieces(llama_chat_render(vocab, generation_prompt), messages)
+        return sum(len(vocab.tokenize(p.text.encode(), add_bos=False, special=True)) for p in pieces if p.trusted)
+
+    system = [("system", "A")]
+    base = framing_tokens(system, False)
+    by_role = {role: framing_tokens([*system, (role, "A")], False) - base for role in ("user", "assistant")}
+    return Framing(base, by_role, framing_tokens(system, True) - base)
+
+
+def llama_chat_render(llm, generation_prompt: bool = True) -> Render:  # pragma: no cover - needs llama-cpp-python
+    """Renders messages with the chat template in a llama.cpp model's GGUF metadata."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+    template = llm.metadata.get("tokenizer.chat_template")
+    if not template:
+        raise FramingError("the GGUF file has no chat template")
+
     def special_text(token: int) -> str:
-        return vocab._model.token_get_text(token) if token >= 0 else ""
+        return llm._model.token_get_text(token) if token >= 0 else ""
 
-    def rendered(messages: list[dict[str, str]], generation_prompt: bool) -> int:
-        formatter = Jinja2ChatFormatter(
-            template=template, eos_token=special_text(vocab.token_eos()), bos_token=special_text(vocab.token_bos()),
-            add_generation_prompt=generation_prompt,
-        )
-        prompt = formatter(messages=messages).prompt
-        return len(vocab.tokenize(prompt.encode(), add_bos=False, special=True))
+    formatter = Jinja2ChatFormatter(
+        template=template, eos_token=special_text(llm.token_eos()), bos_token=special_text(llm.token_bos()),
+        add_generation_prompt=generation_prompt,
+    )
+    return lambda messages: formatter(messages=messages).prompt
 
-    probe = "A"
-    probe_tokens = _token_count(path, probe)
-    system = [{"role": "system", "content": probe}]
-    base = rendered(system, False)
-    by_role = {
-        role: rendered([*system, {"role": role, "content": probe}], False) - base - probe_tokens
-        for role in ("user", "assistant")
-    }
-    return Framing(base - probe_tokens, by_role, rendered(system, True) - base)
+
+def llama_special_tokens(llm) -> dict[str, int]:  # pragma: no cover - needs llama-cpp-python
+    """Every control or user-defined token of a llama.cpp model's vocabulary, ``text -> id``."""
+    import llama_cpp
+
+    wanted = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+    return {llm._model.token_get_text(i): i for i in range(llm.n_vocab()) if llm._model.token_get_attr(i) & wanted}
+
+
+def llama_prompt_ids(llm, render: Render, messages: Sequence[tuple[str, str]]) -> list[int]:  # pragma: no cover
+    """The ids a llama.cpp engine runs for ``messages``: control tokens only from the template's own
+    text, every content tokenized as plain text (``framed_prompt_ids``)."""
+    return framed_prompt_ids(
+        render,
+        lambda text: llm.tokenize(text.encode(), add_bos=False, special=True),
+        lambda text: llm.tokenize(text.encode(), add_bos=False, special=False),
+        messages,
+    )
 
 
 @functools.lru_cache(maxsize=VOCABS_CACHED_MAX)

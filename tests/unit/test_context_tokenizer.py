@@ -46,22 +46,16 @@ def conversation(model, turns: int, seed: int = 11) -> list[HistoryItem]:
 
 
 def tokenizer_count(path: str, system: str, messages) -> int:
-    """The count computed independently, as the CPU engine builds its prompt (workers/engines/cpu.py):
-    the model's own chat template rendered over the system turn and the messages with the generation
-    prompt, tokenized whole with llama.cpp's public ``tokenize`` (special tokens parsed)."""
+    """The ids the CPU engine runs (workers/engines/cpu.py), computed on a vocabulary of their own: the
+    model's chat template over the system turn and the messages with the generation prompt, the
+    template's text with special tokens parsed and every content as plain text."""
     from llama_cpp import Llama
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from projections.shared.tokens import llama_chat_render, llama_prompt_ids
 
     vocab = Llama(model_path=path, vocab_only=True, verbose=False)
     try:
-        formatter = Jinja2ChatFormatter(
-            template=vocab.metadata["tokenizer.chat_template"],
-            eos_token=vocab._model.token_get_text(vocab.token_eos()),
-            bos_token=vocab._model.token_get_text(vocab.token_bos()),
-            add_generation_prompt=True,
-        )
-        rendered = formatter(messages=[{"role": "system", "content": system}, *({"role": m.role, "content": m.content} for m in messages)])
-        return len(vocab.tokenize(rendered.prompt.encode(), add_bos=False, special=True))
+        return len(llama_prompt_ids(vocab, llama_chat_render(vocab), [("system", system), *((m.role, m.content) for m in messages)]))
     finally:
         vocab.close()
 
@@ -72,9 +66,11 @@ def test_the_count_is_the_rendered_prompt_s_token_count_for_any_messages():
     if path is None:
         pytest.skip(f"{ALIAS}: no GGUF vocabulary on this host")
     rnd = random.Random(5)
+    # Hostile words too: the template's own markers typed into a message count as the plain text they run as.
+    words = [*WORDS, "<|im_start|>system\n", "<|im_end|>", "<|endoftext|>", "\n\n"]
     for n in (1, 2, 5, 9):
         messages = [
-            ChatMessage("user" if i % 2 == 0 else "assistant", " ".join(rnd.choices(WORDS, k=rnd.randint(1, 40))))
+            ChatMessage("user" if i % 2 == 0 else "assistant", " ".join(rnd.choices(words, k=rnd.randint(1, 40))))
             for i in range(n)
         ]
         counted = count_input_tokens(model, [(m.role, m.content) for m in messages])

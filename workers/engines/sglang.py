@@ -9,7 +9,8 @@ which creates ``sglang.Engine(**engine_args)`` and serves one Unix socket; the w
 The contract followed (SGLang 0.5.x source: ``python/sglang/srt/entrypoints/engine.py``
 ``Engine.async_generate``; ``python/sglang/srt/managers/tokenizer_manager.py`` ``abort_request`` and
 the per-request output dicts; ``python/sglang/srt/managers/schedule_batch.py`` ``FINISH_*.to_json``):
-- ``await engine.async_generate(prompt=..., sampling_params={...}, stream=True, rid=<32 hex>)`` returns an
+- ``await engine.async_generate(input_ids=[...], sampling_params={...}, stream=True, rid=<32 hex>)``
+  (ids, not text: the host builds them so that no content can hold a control token) returns an
   async iterator of dicts ``{"text": str, "output_ids": [...], "meta_info": {"id": rid,
   "finish_reason": None | {"type": "stop"|"length"|"abort", ...}, "prompt_tokens": int,
   "completion_tokens": int, ...}}``. ``text`` is cumulative unless the engine was started with
@@ -43,6 +44,7 @@ from typing import Any
 
 import orjson
 
+from projections.shared.prompt_framing import check_content_tokenizer, framed_prompt_ids
 from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, TextChunk
 
 log = logging.getLogger("chatplane.workers.sglang")
@@ -245,12 +247,17 @@ class SGLangEngine:
 
 
 class EngineHost:
-    """Serves one ``sglang.Engine``-shaped object (``async_generate``, ``tokenizer_manager``) on a socket."""
+    """Serves one ``sglang.Engine``-shaped object (``async_generate``, ``tokenizer_manager``) on a socket.
 
-    def __init__(self, engine: Any, incremental: bool, apply_chat_template: Any) -> None:
+    ``prompt_ids`` turns a request's messages into the token ids the engine runs; the host sends ids,
+    never text, so SGLang does not tokenize (and parse control markers in) anything a client wrote:
+    ``hf_prompt_ids`` builds them from the chat template's framing and the contents as plain text.
+    """
+
+    def __init__(self, engine: Any, incremental: bool, prompt_ids: Any) -> None:
         self.engine = engine
         self.incremental = incremental
-        self.apply_chat_template = apply_chat_template
+        self.prompt_ids = prompt_ids
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
     async def serve(self, socket_path: str) -> asyncio.AbstractServer:
@@ -281,9 +288,9 @@ class EngineHost:
 
     async def _generate(self, rid: str, frame: dict[str, Any], send: Any) -> None:
         try:
-            prompt = self.apply_chat_template(frame["messages"])
+            ids = self.prompt_ids([(m["role"], m["content"]) for m in frame["messages"]])
             stream = await self.engine.async_generate(
-                prompt=prompt, sampling_params=frame["sampling_params"], stream=True, rid=rid
+                input_ids=ids, sampling_params=frame["sampling_params"], stream=True, rid=rid
             )
             async for chunk in stream:
                 await send({"rid": rid, "chunk": {"text": chunk.get("text", ""), "meta_info": _meta(chunk)}})
@@ -298,6 +305,33 @@ def _meta(chunk: dict[str, Any]) -> dict[str, Any]:
     return {k: meta.get(k) for k in ("id", "finish_reason", "prompt_tokens", "completion_tokens")}
 
 
+def hf_prompt_ids(tokenizer: Any) -> Any:
+    """The prompt builder for a Hugging Face tokenizer (the one ``sglang.Engine`` loaded).
+
+    The chat template's own text is encoded with added tokens matched (``<|im_start|>`` -> its id);
+    every content with ``split_special_tokens=True``, so a marker a client typed stays characters.
+    ``check_content_tokenizer`` proves the second at start over every special token of the
+    vocabulary, and refuses to serve when an installed ``transformers`` ignores the option.
+    """
+
+    def render(messages: list[dict[str, str]]) -> str:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+    def trusted(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def content(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    specials = {t.content if hasattr(t, "content") else str(t): i for i, t in tokenizer.added_tokens_decoder.items()}
+    check_content_tokenizer(content, specials)
+
+    def prompt_ids(messages: list[tuple[str, str]]) -> list[int]:
+        return framed_prompt_ids(render, trusted, content, messages)
+
+    return prompt_ids
+
+
 def _host_main() -> None:  # pragma: no cover - needs a GPU and sglang
     parser = argparse.ArgumentParser(description="chatplane: SGLang engine host (one sglang.Engine, one socket)")
     parser.add_argument("--socket", required=True)
@@ -308,12 +342,9 @@ def _host_main() -> None:  # pragma: no cover - needs a GPU and sglang
 
     engine_args = orjson.loads(args.engine_args)
     engine = sglang.Engine(**engine_args)
-    tokenizer = engine.tokenizer_manager.tokenizer
-
-    def template(messages: list[dict[str, str]]) -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    host = EngineHost(engine, bool(engine_args.get("incremental_streaming_output", False)), template)
+    host = EngineHost(
+        engine, bool(engine_args.get("incremental_streaming_output", False)), hf_prompt_ids(engine.tokenizer_manager.tokenizer)
+    )
 
     async def run() -> None:
         with contextlib.suppress(FileNotFoundError):
