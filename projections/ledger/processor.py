@@ -135,6 +135,11 @@ class AdmissionProcessor:
             datadir=settings.data_dir,
             topic_partitions=self.partitions,
             topic_allow_declare=False,
+            # No agent or timer here runs on the leader only, so no leader election: faust would
+            # otherwise subscribe to "<app id>-__assignor-__leader", which it may not create
+            # (topic_allow_declare) and create-topics does not make, and aiokafka would log an ERROR
+            # that the topic is missing at every metadata refresh (every 5 minutes).
+            topic_disable_leader=True,
             table_standby_replicas=0,
             broker_commit_interval=settings.commit_interval_s,
             # Static membership: a restarted instance takes its partitions back at once instead of
@@ -742,7 +747,15 @@ def main() -> None:
 
 
 class _Worker(faust.Worker):
-    """faust's worker, with the repeated-line bound on the root logger it configures."""
+    """faust's worker, with the repeated-line bound on the root logger it configures, and no
+    terminal spinner."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # faust's progress spinner writes terminal control sequences (cursor hide and show,
+        # backspaces) to stdout whether or not it is a terminal, and the processor's stdout is its
+        # log file (infra/component-start). Without a spinner faust logs its "Ready" line instead.
+        self.spinner = None
 
     def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
         # faust's public hook, called once the worker replaced the root logger's handlers.

@@ -2,10 +2,13 @@
 ending in an audit of everything the clients saw against the ledger.
 
     python -m tests.chaos.chaos --seed 7 --duration-s 600          # the 10-minute local run
-    python -m tests.chaos.chaos --seed 7 --duration-s 150 --slot-s 12   # about what CI runs (tests/chaos/test_chaos.py)
+    python -m tests.chaos.chaos --seed 7 --duration-s 0 --slot-s 12     # one round of faults: what CI runs (tests/chaos/test_chaos.py)
+
+A run lasts at least one round (every fault kind once, a slot each: ``round_duration_s``); a shorter
+``--duration-s`` (0 included) is lengthened to that, so no seed's plan leaves a kind out.
 
 The stack (bench/stackrun.py): its own Kafka broker and Cassandra node on private ports, two admission
-processors, two ``sim`` workers, two edges, one read-model projection, each its real entry point as
+processors, two ``sim`` workers, two edges, one read-model projection, one history writer, each its real entry point as
 ``make up`` starts it. The load: client loops over HTTP against both edges (streams read to the end,
 non-streams, cancels after the first words, same-key retries from a second client on the other edge,
 client disconnects mid-stream, slow SSE readers, users that exhaust their quota). The faults, in an
@@ -39,6 +42,7 @@ import contextlib
 import json
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -96,6 +100,10 @@ RESULT_LATER_WAIT_S = 30.0  # for results held by a worker while Cassandra was d
 FAULT_DOWN_S = (2.0, 5.0)  # a killed component stays down this long before its restart
 SERVER_DOWN_S = (3.0, 8.0)
 STALL_S = (6.0, 12.0)
+# A seed taken from a commit id: its first 6 hex digits (0 to 16,777,215), short enough to read
+# and to name the run's namespace and keyspace.
+COMMIT_SEED_HEX_DIGITS = 6
+GIT_TIMEOUT_S = 10.0
 TERMINAL_SSE = ("generation.completed", "generation.cancelled", "generation.error")
 SETTLED = {"completed", "cancelled", "failed", "admission_retryable"}
 TYPED_CODES = {c.value for c in RejectionCode}
@@ -124,11 +132,35 @@ class Fault:
     note: str = ""
 
 
-def plan_faults(seed: int, duration_s: float, components: list[str], slot_s: float) -> list[Fault]:
-    """One round = every fault kind once, in a seeded order; as many rounds as fit in the run."""
-    rng = random.Random(seed)
+def fault_kinds(components: list[str]) -> list[tuple[str, str]]:
+    """One round of faults, as (kind, target): a kill -9 of every component, a restart of the broker
+    and of Cassandra, and the first worker stalled."""
     kinds = [("kill9", c) for c in components] + [("restart_kafka", "kafka"), ("restart_cassandra", "cassandra")]
     kinds += [("stall", w) for w in components if w.startswith("worker-")][:1]
+    return kinds
+
+
+def round_duration_s(components: list[str], slot_s: float) -> float:
+    """The shortest run whose plan holds one whole round: the first fault half a slot in, then one
+    slot per fault kind. Derived from the kinds, so a component added to the stack lengthens it."""
+    return len(fault_kinds(components)) * slot_s + slot_s / 2
+
+
+def run_duration_s(requested_s: float | None, components: list[str], slot_s: float) -> float:
+    """The run's length: the one asked for, or one round when none is asked for or the one asked
+    for is shorter (a shorter run would leave some kind of fault out)."""
+    return max(requested_s or 0.0, round_duration_s(components, slot_s))
+
+
+def plan_faults(seed: int, duration_s: float, components: list[str], slot_s: float) -> list[Fault]:
+    """One round = every fault kind once, in a seeded order; as many rounds as fit in the run, the
+    first always whole (a run shorter than ``round_duration_s`` is refused, never planned short)."""
+    if duration_s < round_duration_s(components, slot_s):
+        raise ValueError(
+            f"{duration_s} s at {slot_s} s a slot holds fewer than the {len(fault_kinds(components))} fault kinds: "
+            f"at least {round_duration_s(components, slot_s)} s")
+    rng = random.Random(seed)
+    kinds = fault_kinds(components)
     faults: list[Fault] = []
     t = slot_s / 2
     while t < duration_s - slot_s / 2:
@@ -641,10 +673,36 @@ class Result:
     work_dir: str
 
 
-async def chaos(seed: int, duration_s: float, work_dir: Path, loops: int = 8, heavy_loops: int = 1,
+def chaos_stack(seed: int, work_dir: Path, env: dict[str, str] | None = None) -> Stack:
+    """The stack a run faults (built, nothing started): its component names plan the faults."""
+    return Stack(work_dir, namespace=f"chaos{seed}", env={**SIM_ENV, **(env or {})})
+
+
+def seed_from_commit(commit: str) -> int:
+    """A run's seed from a git commit id: each commit explores another fault schedule, and the
+    same commit (or the printed seed) replays it."""
+    return int(commit[:COMMIT_SEED_HEX_DIGITS], 16)
+
+
+def head_commit() -> str | None:
+    """The checkout's commit id, or None outside a git checkout."""
+    try:
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=GIT_TIMEOUT_S, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() or None
+
+
+async def chaos(seed: int, duration_s: float | None, work_dir: Path, loops: int = 8, heavy_loops: int = 1,
                 slot_s: float = 20.0, env: dict[str, str] | None = None) -> Result:
-    stack = Stack(work_dir, namespace=f"chaos{seed}", env={**SIM_ENV, **(env or {})})
+    """One run; ``duration_s`` None (or shorter than one round of faults) runs exactly one round."""
+    stack = chaos_stack(seed, work_dir, env)
     components = sorted(stack.components)
+    asked_s, duration_s = duration_s, run_duration_s(duration_s, components, slot_s)
+    if asked_s is not None and duration_s > asked_s:
+        print(f"[chaos] {asked_s:.0f} s holds fewer slots of {slot_s:.0f} s than the {len(fault_kinds(components))} "
+              f"fault kinds: running {duration_s:.0f} s", flush=True)
     faults = plan_faults(seed, duration_s, components, slot_s)
     print(f"[chaos] seed {seed}, {duration_s:.0f} s of load, work dir {work_dir}", flush=True)
     print("[chaos] schedule: " + "; ".join(f"{f.at_s}s {f.kind} {f.target} {f.down_s}s" for f in faults), flush=True)
@@ -700,7 +758,8 @@ def render(r: Result) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.chaos.chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--duration-s", type=float, default=600.0, help="seconds of load and faults (600: the local run)")
+    p.add_argument("--duration-s", type=float, default=600.0,
+                   help="seconds of load and faults (600: the local run); at least one round of every fault kind, 0: exactly one")
     p.add_argument("--loops", type=int, default=8, help="client loops (each one request at a time)")
     p.add_argument("--heavy-loops", type=int, default=1, help="loops of users that exhaust their quota")
     p.add_argument("--slot-s", type=float, default=20.0, help="seconds between two faults")
