@@ -138,3 +138,10 @@ class IpLimiter:
         if self.buckets is None:
             return 0.0
         return self.buckets.take(self.addresses.key_of(scope))
+
+    def has_token(self, scope: dict[str, Any]) -> bool:
+        """Whether the request's address could take a token now, without taking one (a peek: the
+        proxy's route-key look-up, edge/routes/internal.py, must not spend the client's requests)."""
+        if self.buckets is None:
+            return True
+        return self.buckets.available(self.addresses.key_of(scope)) >= 1.0

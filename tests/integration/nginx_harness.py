@@ -1,7 +1,8 @@
 """Debian's nginx in front of local edges, as a foreground process (the fleet test, docs/fleet.md).
 
 ``NginxProcess(edge_urls).start()`` renders ``infra/nginx/chatplane.conf.template`` (the production
-proxy settings, ``infra/nginx/chatplane-proxy.conf``, included as they are) into a fresh prefix folder
+proxy settings and route-key look-up, ``infra/nginx/chatplane-proxy.conf`` and
+``chatplane-route-key.conf``, included as they are) into a fresh prefix folder
 and runs ``nginx -p PREFIX -c PREFIX/nginx.conf -g 'daemon off; pid PREFIX/nginx.pid;'``; its error and
 access logs stay in that folder. ``infra/nginx-install`` installs nginx (``make test`` runs it);
 ``CHATPLANE_NGINX`` names another binary.
@@ -23,6 +24,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "infra" / "nginx" / "chatplane.conf.template"
 PROXY_CONF = ROOT / "infra" / "nginx" / "chatplane-proxy.conf"
+ROUTE_KEY_CONF = ROOT / "infra" / "nginx" / "chatplane-route-key.conf"
 NGINX_START_TIMEOUT_S = 20.0
 NGINX_STOP_TIMEOUT_S = 10.0
 # An upstream that refuses a connection is left out for this long (chatplane.example.conf: the same).
@@ -43,7 +45,7 @@ def render(prefix: Path, port: int, edge_addresses: list[str]) -> str:
     )
     text = TEMPLATE.read_text()
     for name, value in (("PREFIX", str(prefix)), ("PORT", str(port)), ("UPSTREAM_SERVERS", servers),
-                        ("PROXY_CONF", str(PROXY_CONF))):
+                        ("PROXY_CONF", str(PROXY_CONF)), ("ROUTE_KEY_CONF", str(ROUTE_KEY_CONF))):
         text = text.replace("{{" + name + "}}", value)
     assert "{{" not in text, "a template field was left unfilled"
     return text

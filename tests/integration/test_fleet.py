@@ -14,6 +14,10 @@ and Debian's nginx in front of the edges with the production proxy settings
     2. a stream through nginx arrives incrementally: a heartbeat comment before the first token, the
        deltas read at many distinct times spread over the generation.
 
+``test_one_user_holding_two_tokens_reaches_one_edge_through_nginx``:
+    2b. nginx hashes the user's route key (an edge's answer to its look-up, cached per token), not the
+       token: each user's two tokens reach one edge, the users together both.
+
 ``test_a_processor_leaving_and_an_edge_killed_lose_nothing_but_their_own_streams``:
     4. a processor leaves (SIGTERM) while users on both processors' partitions stream: every stream
        completes, new requests of its users complete once the other processor took its partitions;
@@ -42,11 +46,13 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.partitioner import murmur2
 from aiokafka.protocol.group import MemberAssignment
 
+from edge.auth import mint
 from projections.ledger.audit import audit
 from projections.shared.command_client import CommandClient
 from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics
 from projections.shared.topic_reader import read_topic
 from schemas import events as ev
+from schemas.codes import Tier
 from schemas.messages import Outcome
 from schemas.topics import USER_PARTITIONS, Topology
 from schemas.wire import decode_command, decode_message, encode
@@ -76,6 +82,16 @@ WAIT_S = 90.0  # bound on any one wait (a loaded 2-core machine)
 CQL_DDL_TIMEOUT_S = 60.0
 RETRY_PAUSE_S = 0.25
 TERMINAL = ("generation.completed", "generation.cancelled", "generation.error")
+# Users, each with two tokens, sent through nginx. Were the token the hash key, all of the first 8
+# users' two tokens would land together only once in 256 runs; more users are tried (up to the
+# maximum) until both edges served one, so the spread over edges is shown too.
+TWO_TOKEN_USERS_MIN = 8
+TWO_TOKEN_USERS_MAX = 24
+TWO_TOKEN_TTLS_S = (600, 900)  # two lifetimes: two different tokens of one user
+# One line of the fleet test's nginx access log (infra/nginx/chatplane.conf.template's format).
+ACCESS_LINE = re.compile(r"^\S+ (?P<method>\S+) (?P<uri>\S+) (?P<status>\d+) upstream=(?P<upstream>.*?) "
+                         r"upstream_status=(?P<upstream_status>.*?) cache=(?P<cache>\S+) time=")
+ROUTE_KEY_URI = "/_chatplane_route_key"  # nginx's internal location for the look-up (chatplane-route-key.conf)
 
 
 def user_partition(user: str) -> int:
@@ -228,6 +244,21 @@ async def admissions(edge: EdgeProcess, code: str) -> float:
         text = (await h.get("/metrics")).text
     m = re.search(rf'^chatplane_edge_admissions_total{{code="{code}"}} (\S+)$', text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
+
+
+async def new_access_lines(nginx: NginxProcess, seen: int, count: int) -> list[dict[str, str]]:
+    """The next ``count`` lines of nginx's access log after the first ``seen``, parsed (nginx writes a
+    line when the request ends, which may be just after the client read the answer)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        lines = nginx.access_log().splitlines()[seen:]
+        if len(lines) >= count:
+            break
+        assert time.monotonic() < deadline, f"nginx logged {lines}, expected {count} lines"
+        await asyncio.sleep(0.02)
+    parsed = [ACCESS_LINE.match(line) for line in lines[:count]]
+    assert all(parsed), lines
+    return [m.groupdict() for m in parsed if m]
 
 
 async def processor_assignment(bootstrap: str, topology: Any) -> dict[str, set[int]]:
@@ -428,6 +459,44 @@ async def test_one_users_requests_spread_over_two_edges_stay_exact_and_sse_is_in
     print(f"\n[fleet] SSE through nginx: heartbeats before the first token: {names[:first_delta].count('heartbeat')}; "
           f"first delta {delta_times[0] - s.opened_at:.2f} s after the POST, {len(delta_times)} distinct delta reads "
           f"over {delta_times[-1] - delta_times[0]:.2f} s")
+
+
+async def test_one_user_holding_two_tokens_reaches_one_edge_through_nginx(fleet):
+    # Sticky by user, not by token: nginx asks an edge for each token's route key (one look-up per
+    # token, then from its cache) and hashes that, so a user's burst bucket is one edge's.
+    assert not fleet.damaged, "this test needs the whole fleet: run it before the one that breaks it"
+    first = fleet.edges[0]
+    edge_addresses = {e.url.removeprefix("http://") for e in fleet.edges}
+    served: dict[str, set[str]] = {}
+    async with fleet.nginx.http() as hn:
+        for n in range(TWO_TOKEN_USERS_MAX):
+            if n >= TWO_TOKEN_USERS_MIN and set().union(*served.values()) == edge_addresses:
+                break
+            user = f"two-tokens-{uuid.uuid4().hex[:8]}"
+            tokens = [mint(first.settings, user, Tier.FREE, ttl_s=ttl) for ttl in TWO_TOKEN_TTLS_S]
+            assert tokens[0] != tokens[1]
+            served[user] = set()
+            for token in tokens:
+                auth = {"Authorization": f"Bearer {token}"}
+                seen = len(fleet.nginx.access_log().splitlines())
+                # A POST with a body the edge refuses (typed, before any command): the look-up before
+                # it must reach the edge without the body and be answered at once, not time out
+                # waiting for one. Then a GET with the same token, whose key comes from the cache.
+                refused = await hn.post("/v1/generations", headers=auth, json={})
+                assert refused.status_code == 400 and error_code(refused) == "invalid_request", refused.text
+                models = await hn.get("/v1/models", headers=auth)
+                assert models.status_code == 200, models.text
+                look_up, post, cached, get = await new_access_lines(fleet.nginx, seen, 4)
+                assert (look_up["uri"], look_up["status"], look_up["upstream_status"], look_up["cache"]) == \
+                    (ROUTE_KEY_URI, "204", "204", "MISS"), look_up  # answered by an edge, not the fallback
+                assert (cached["uri"], cached["cache"], cached["upstream"]) == (ROUTE_KEY_URI, "HIT", "-"), cached
+                assert (post["uri"], post["status"], get["uri"], get["status"]) == ("/v1/generations", "400", "/v1/models", "200")
+                served[user] |= {post["upstream"], get["upstream"]}
+    # Each user's two tokens reached one edge; the users together reached both.
+    assert all(len(edges) == 1 for edges in served.values()), served
+    assert set().union(*served.values()) == edge_addresses, served
+    print(f"\n[fleet] {len(served)} users with two tokens each: every user on one edge "
+          f"({sum(1 for e in served.values() if e == {first.url.removeprefix('http://')})} on the first)")
 
 
 # ---------------------------------------------------------------------------------------------------
