@@ -13,7 +13,17 @@ from typing import Any
 import orjson
 
 from control_plane.aggregate import Aggregate, Remembered
-from control_plane.state import Attempt, Conversation, QuotaWindow, RequestRecord, Reservation, UsageEntry, UserLedger, reservation_id
+from control_plane.state import (
+    Attempt,
+    Conversation,
+    QuotaWindow,
+    RequestRecord,
+    Reservation,
+    RetryFingerprint,
+    UsageEntry,
+    UserLedger,
+    reservation_id,
+)
 from schemas.codes import CancelReason, RejectionCode, RequestStatus, ReservationState, Tier
 from schemas.commands import ReplyTo
 
@@ -115,4 +125,6 @@ def load_ledger(d: dict[str, Any]) -> UserLedger:
         # Absent from values stored before conversations (2026-12-05).
         conversations={k: Conversation(**v) for k, v in d.get("conversations", {}).items()},
         conversation_tombstones=dict(d.get("conversation_tombstones", {})),
+        # Absent from values stored before keyless retries were matched: nothing remembered.
+        retry_fingerprints={k: RetryFingerprint(**v) for k, v in d.get("retry_fingerprints", {}).items()},
     )

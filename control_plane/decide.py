@@ -33,6 +33,7 @@ from schemas.codes import (
     FinishOutcome,
     RejectionCode,
     RequestStatus,
+    RetryAttach,
     SlotReleaseReason,
     Tier,
 )
@@ -166,6 +167,12 @@ def _submit(state: UserLedger, c: SubmitGeneration, policy: Policy, out: _Emitte
     record = state.requests.get(c.idempotency_key)
     if record is not None:
         return _resubmit(state, record, c, policy, out)
+    # A submit read past its decision deadline is not attached: its issuer has stopped waiting, and
+    # naming it the generation's reader would withdraw a pending cancel nobody is there to replace.
+    if c.retry_attach is not RetryAttach.OFF and not read_past_deadline(c):
+        attached = _attach_to_earlier_try(state, c, out)
+        if attached is not None:
+            return attached
     model = policy.models.get(c.model_alias)
     if model is None:
         return out.reject(RejectionCode.INVALID_REQUEST, details=RejectionDetails(field="model"))
@@ -190,14 +197,15 @@ def _resubmit(state: UserLedger, record: RequestRecord, c: SubmitGeneration, pol
     if record.fingerprint != c.fingerprint:
         return out.reject(RejectionCode.IDEMPOTENCY_CONFLICT)
     status = record.status
+    turn = _turn_of(record)
     if status.active:
-        return out.reject(RejectionCode.GENERATION_IN_PROGRESS, record, same_request=True)
+        return out.reject(RejectionCode.GENERATION_IN_PROGRESS, record, same_request=True, **turn)
     if status is RequestStatus.COMPLETED:
         if c.issued_at_ms < record.result_expires_at_ms:
             return out.decision(
-                OutcomeKind.EXISTING, record, status=status, result_expires_at_ms=record.result_expires_at_ms
+                OutcomeKind.EXISTING, record, status=status, result_expires_at_ms=record.result_expires_at_ms, **turn
             )
-        return out.reject(RejectionCode.RESULT_UNAVAILABLE, record)
+        return out.reject(RejectionCode.RESULT_UNAVAILABLE, record, **turn)
     if status is RequestStatus.REJECTED:
         assert record.code is not None
         return out.reject(record.code, record, details=_quota_details(state, record, policy))
@@ -209,7 +217,74 @@ def _resubmit(state: UserLedger, record: RequestRecord, c: SubmitGeneration, pol
             return out.reject(RejectionCode.INVALID_REQUEST, record, details=RejectionDetails(field="model"))
         return _admit(state, c, policy, out, record.generation_id, record.model_version, pool, record.epoch + 1, created=False)
     # CANCELLED or FAILED: the terminal generation is never restarted by its key.
-    return out.decision(OutcomeKind.EXISTING, record, status=status, code=record.code)
+    return out.decision(OutcomeKind.EXISTING, record, status=status, code=record.code, **turn)
+
+
+def _turn_of(record: RequestRecord) -> dict[str, Any]:
+    """The conversation fields of a decision about an existing generation: a same-key retry of a
+    conversation turn is answered with the turn's conversation and revision, as its first answer
+    was, so that its issuer can name the revision the next turn sends. Empty for a stateless
+    request, and for a record stored before turns kept their revision."""
+    if not record.conversation_id or record.turn_revision <= 0:
+        return {}
+    return {"conversation_id": record.conversation_id, "revision": record.turn_revision}
+
+
+def _attach_to_earlier_try(state: UserLedger, c: SubmitGeneration, out: _Emitter) -> Decision | None:
+    """A keyless try answered by the generation an earlier try of the same request was admitted as,
+    or None: it is a new request (``_admit`` decides it, and remembers its fingerprint).
+
+    The match is the fingerprint's newest generation remembered within its window, still queued or
+    running (and not being cancelled) or completed with its result retained; a cancelled or failed one
+    does not match, so a retry after either starts afresh. A first try matches only a generation one
+    of its retries was admitted as before it (the edge appended them out of order): two identical
+    first tries are two requests. Deciding this here, in the same decision as admission, is what
+    makes a retry that races its first try's admission find it: both ride the user's partition.
+    """
+    entry = state.retry_fingerprints.get(c.fingerprint)
+    if entry is None or c.issued_at_ms >= entry.attach_until_ms:
+        return None
+    match c.retry_attach:
+        case RetryAttach.RETRY:
+            pass
+        case RetryAttach.ORIGINAL:
+            if not entry.awaiting_original:
+                return None
+        case RetryAttach.OFF:
+            return None
+        case _:
+            assert_never(c.retry_attach)
+    record = state.record_of(entry.generation_id)
+    if record is None or record.fingerprint != c.fingerprint:
+        return None
+    status = record.status
+    if status.active:
+        if _being_cancelled(record):
+            return None
+    elif status is not RequestStatus.COMPLETED or c.issued_at_ms >= record.result_expires_at_ms:
+        return None
+    out.emit(
+        ev.RequestAttached,
+        record.generation_id,
+        idempotency_key=c.idempotency_key,
+        fingerprint=c.fingerprint,
+        reader_id=c.reader_id,
+        retry_attach=c.retry_attach,
+    )
+    moves_reader = record.reader_id != c.reader_id or record.detached_until_ms
+    if c.retry_attach is RetryAttach.RETRY and status.active and record.reader_id and c.reader_id and moves_reader:
+        # The retry's edge reads the generation now: a pending disconnect cancel (the earlier try's
+        # client gave up) is withdrawn, as when a reader reattaches (``_attach``). A first try read
+        # late does not take the reader from its retry, the try its client is still waiting on.
+        out.emit(ev.ReaderAttached, record.generation_id, reader_id=c.reader_id)
+    return out.decision(
+        OutcomeKind.APPLIED,
+        record,
+        status=status,
+        attached=True,
+        result_expires_at_ms=record.result_expires_at_ms if status is RequestStatus.COMPLETED else None,
+        **_turn_of(record),
+    )
 
 
 def _quota_details(state: UserLedger, record: RequestRecord, policy: Policy) -> RejectionDetails:
@@ -420,6 +495,8 @@ def _admit(
         window_token_limit=tier_tokens,
         token_limit=limits.tokens or 0,
         risk_class=risk_name,
+        retry_attach=c.retry_attach,
+        retry_attach_until_ms=_retry_attach_until_ms(c, policy),
     )
     revision = None
     if turn is not None:
@@ -444,6 +521,13 @@ def _admit(
         conversation_id=c.conversation_id or None,
         revision=revision,
     )
+
+
+def _retry_attach_until_ms(c: SubmitGeneration, policy: Policy) -> int:
+    """Until when a keyless request's later tries attach to the generation admitted now (0: never)."""
+    if c.retry_attach is RetryAttach.OFF or policy.openai_retry_attach_ms <= 0:
+        return 0
+    return c.issued_at_ms + policy.openai_retry_attach_ms
 
 
 # --- conversations (docs/conversations.md) ----------------------------------------------------

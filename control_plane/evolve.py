@@ -11,17 +11,19 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from control_plane.state import (
+    RETRY_FINGERPRINTS_PER_USER_MAX,
     Attempt,
     Conversation,
     QuotaWindow,
     RequestRecord,
     Reservation,
+    RetryFingerprint,
     UsageEntry,
     UserLedger,
     usage_key,
     with_changes,
 )
-from schemas.codes import RequestStatus, ReservationState
+from schemas.codes import RequestStatus, ReservationState, RetryAttach
 from schemas import events as ev
 
 
@@ -107,7 +109,34 @@ def _admitted(state: UserLedger, e: ev.GenerationAdmitted) -> UserLedger:
         reader_id=e.reader_id,
     )
     state = with_changes(state, windows=_put_window(state, window), reservations=reservations, slots=slots)
+    if e.retry_attach_until_ms:
+        state = _remember_fingerprint(state, e)
     return _put_request(state, record, e.occurred_at_ms)
+
+
+def _remember_fingerprint(state: UserLedger, e: ev.GenerationAdmitted) -> UserLedger:
+    """The admitted keyless request becomes its fingerprint's newest generation; entries whose window
+    has ended leave, and past ``RETRY_FINGERPRINTS_PER_USER_MAX`` the one whose window ends first."""
+    remembered = {
+        fp: entry for fp, entry in state.retry_fingerprints.items() if entry.attach_until_ms > e.occurred_at_ms and fp != e.fingerprint
+    }
+    while len(remembered) >= RETRY_FINGERPRINTS_PER_USER_MAX:
+        del remembered[min(remembered, key=lambda fp: (remembered[fp].attach_until_ms, fp))]
+    remembered[e.fingerprint] = RetryFingerprint(
+        e.generation_id, e.retry_attach_until_ms, awaiting_original=e.retry_attach is RetryAttach.RETRY
+    )
+    return with_changes(state, retry_fingerprints=remembered)
+
+
+def _request_attached(state: UserLedger, e: ev.RequestAttached) -> UserLedger:
+    entry = state.retry_fingerprints.get(e.fingerprint)
+    if e.retry_attach is RetryAttach.ORIGINAL and entry is not None and entry.generation_id == e.generation_id:
+        # The first try arrived: the generation no longer waits for it (another first try of the
+        # same fingerprint is another request).
+        remembered = dict(state.retry_fingerprints)
+        remembered[e.fingerprint] = with_changes(entry, awaiting_original=False)
+        state = with_changes(state, retry_fingerprints=remembered)
+    return with_changes(state, last_event_ms=max(state.last_event_ms, e.occurred_at_ms))
 
 
 def _rejected(state: UserLedger, e: ev.AdmissionRejected) -> UserLedger:
@@ -349,8 +378,9 @@ def _turn_committed(state: UserLedger, e: ev.ConversationTurnCommitted) -> UserL
         answer_stored=False,
     )
     record = state.record_of(e.generation_id)
-    if record is not None and record.conversation_id != e.conversation_id:
-        state = _put_request(state, with_changes(record, conversation_id=e.conversation_id), e.occurred_at_ms)
+    if record is not None and (record.conversation_id, record.turn_revision) != (e.conversation_id, e.revision):
+        changed = with_changes(record, conversation_id=e.conversation_id, turn_revision=e.revision)
+        state = _put_request(state, changed, e.occurred_at_ms)
     return state
 
 
@@ -413,6 +443,7 @@ _APPLY: dict[type, Callable[[UserLedger, Any], UserLedger]] = {
     ev.CancelRequested: _cancel_requested,
     ev.ReaderDetached: _reader_detached,
     ev.ReaderAttached: _reader_attached,
+    ev.RequestAttached: _request_attached,
     ev.ConcurrencySlotReleased: _slot_released,
     ev.GenerationReturnedToAdmission: _returned,
     ev.GenerationCompleted: _completed,

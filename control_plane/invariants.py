@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from control_plane.evolve import billable_of, evolve
-from control_plane.state import UserLedger, reservation_id, retained_until_ms
+from control_plane.state import RETRY_FINGERPRINTS_PER_USER_MAX, UserLedger, reservation_id, retained_until_ms
 from schemas import events as ev
 from schemas.codes import ReservationState, SlotReleaseReason
 from schemas.wire import encode
@@ -89,6 +89,8 @@ def check_state(state: UserLedger, concurrency_limit: int | None = None, event_i
             bad(7, f"generation {record.generation_id} is not identified by exactly one key")
     if len(state.by_generation) != len(state.requests):
         bad(7, "generation index and request records disagree")
+    if len(state.retry_fingerprints) > RETRY_FINGERPRINTS_PER_USER_MAX:
+        bad(7, f"{len(state.retry_fingerprints)} remembered fingerprints > bound {RETRY_FINGERPRINTS_PER_USER_MAX}")
     return found
 
 
@@ -419,7 +421,14 @@ class InvariantMonitor:
             if not isinstance(e, (ev.QuotaWindowRetired, ev.DedupRecordPurged)):
                 bad(4, f"{type(e).__name__} for unknown generation {e.generation_id}")
             return found
-        if history.terminal_event is not None and not isinstance(e, (ev.LateReportIgnored, ev.DedupRecordPurged)):
+        # A keyless retry may attach to a completed generation (it reads its result and changes
+        # nothing of it); never to one that ended otherwise, which is a new request's to answer.
+        attached_to_completed = isinstance(e, ev.RequestAttached) and history.terminal_event == "GenerationCompleted"
+        if (
+            history.terminal_event is not None
+            and not isinstance(e, (ev.LateReportIgnored, ev.DedupRecordPurged))
+            and not attached_to_completed
+        ):
             bad(4, f"{type(e).__name__} after terminal {history.terminal_event} of {e.generation_id}")
         match e:
             case ev.AttemptAccepted():

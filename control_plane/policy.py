@@ -59,6 +59,12 @@ class Policy:
     # retries with the same key never meets it; each record costs ~1 KB of table and ~2 KB of the
     # processor's memory (docs/retention.md, "The bound on request records").
     dedup_records_per_user_max: int = 8_192
+    # A keyless request that says it is a retry (the OpenAI-compatible route) attaches to the newest
+    # running or completed generation of the same user and fingerprint admitted this long before it
+    # (``RetryAttach``; 0 = never). Two minutes covers the official client's retries (at most a few,
+    # each after its own timeout and a backoff of seconds) with room; a longer window would merge
+    # more deliberate repeats of the same question into one answer.
+    openai_retry_attach_ms: int = 120_000
     max_output_tokens_max: int = 4_096
     # Conversations in a user's hot state (docs/conversations.md, "Bounded ledger state"). Beyond
     # this, creating one parks the least recently used idle conversation (no generation running,

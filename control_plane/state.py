@@ -15,6 +15,7 @@ Mapping onto the seed's records:
 - Concurrency slots -> ``slots`` (slot index -> generation id).
 - Usage record ``(generation, epoch)`` -> ``UsageEntry`` in ``usage``.
 - The generation's reader (the edge holding the client) and a pending detach -> ``RequestRecord``.
+- Keyless requests' fingerprints, so that a client's automatic retries attach -> ``retry_fingerprints``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ class RequestRecord:
     detached_until_ms: int = 0
     detach_reason: CancelReason | None = None
     conversation_id: str = ""  # the conversation this generation answers a turn of ("" = stateless)
+    # The revision the turn committed at (``ConversationTurnCommitted.revision``; its answer commits
+    # at the next one): a same-key retry of the turn answers with it, as its first answer did. 0 for
+    # a stateless request and for records stored before it was kept (then answered without it).
+    turn_revision: int = 0
     terminal_sequence: int = 0  # the terminal event's sequence (its SSE id); 0: after the last stored delta
     refusal_kind: str = ""  # for a quota refusal: "tokens" when the token budget refused ("" = messages)
     token_limit: int = 0  # for a token refusal: the budget that applied
@@ -139,6 +144,25 @@ class Conversation:
     pending_status: str = ""
 
 
+# Fingerprints of keyless requests a user's state remembers at once (``UserLedger.retry_fingerprints``).
+# A client's automatic retries come within seconds of their first try, and a user runs at most its
+# concurrency limit of generations at a time, so only the newest few entries are ever matched; past
+# the bound the one whose window ends first leaves, which can only cost a late retry its attach
+# (it is then admitted as a new request, as before retries were matched). ~150 bytes each.
+RETRY_FINGERPRINTS_PER_USER_MAX = 32
+
+
+@dataclass(frozen=True, slots=True)
+class RetryFingerprint:
+    """The newest generation admitted for one fingerprint of a keyless request (``RetryAttach``)."""
+
+    generation_id: str
+    attach_until_ms: int  # a try issued at or after this is a new request (the attach window ended)
+    # Admitted for a retry that matched nothing: its first try may still be read after it (the edge
+    # appended the two out of order), and attaches to it then, once.
+    awaiting_original: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class UserLedger:
     user_id: str
@@ -157,6 +181,10 @@ class UserLedger:
     # out of it) and deleted ones' tombstones (conversation id -> when it was deleted).
     conversations: dict[str, Conversation] = field(default_factory=dict)
     conversation_tombstones: dict[str, int] = field(default_factory=dict)
+    # Keyless requests' fingerprints -> the newest generation admitted for each, within its attach
+    # window (at most ``RETRY_FINGERPRINTS_PER_USER_MAX``; an entry past its window is never matched
+    # and leaves at the user's next admission that remembers one).
+    retry_fingerprints: dict[str, RetryFingerprint] = field(default_factory=dict)
 
     def record_of(self, generation_id: str) -> RequestRecord | None:
         key = self.by_generation.get(generation_id)

@@ -28,13 +28,14 @@ from edge import errors
 from edge.app import create_app
 from edge.deps import new_request_id
 from edge.settings import EdgeSettings
-from edge.uvicorn_adapter import bounded_h11_protocol
+from edge.uvicorn_adapter import HEAD_BYTES, bounded_h11_protocol
 from projections.readmodel.schema import ReadModelSettings
 from projections.shared import memtrace, tracing
 from projections.shared.malloc_tuning import tune_malloc
 from projections.shared.log_limits import install_log_limits
 from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
 from schemas.codes import RejectionCode
+from schemas.messages import RejectionDetails
 
 log = logging.getLogger("chatplane.edge")
 
@@ -88,6 +89,26 @@ def connection_refusal(connections_max: int) -> bytes:
     return head.encode("ascii") + body
 
 
+def bad_request_refusal(reason: str, head_bytes_max: int) -> bytes:
+    """The answer to a request head over ``head_bytes_max`` (``HEAD_BYTES``) or to bytes that are not
+    an HTTP/1.1 request (``MALFORMED``): the typed ``400 invalid_request``, then the close."""
+    if reason == HEAD_BYTES:
+        err = errors.ApiError(
+            RejectionCode.INVALID_REQUEST, RejectionDetails(limit=head_bytes_max), field="headers",
+            message=f"The request head (request line and headers) is over its limit of {head_bytes_max} bytes.",
+        )
+    else:
+        err = errors.ApiError(RejectionCode.INVALID_REQUEST, field="request", message="The request is not valid HTTP/1.1.")
+    body = orjson.dumps(
+        errors.error_body(err.code, new_request_id(), errors.details_json(err.details, err.field), message=errors.message_of(err))
+    )
+    head = (
+        "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncache-control: no-store\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
 def uvicorn_config(app: FastAPI, settings: EdgeSettings, **overrides: Any) -> uvicorn.Config:
     """The uvicorn configuration of the edge, with the connection bounds of ``edge.uvicorn_adapter``
     (tests serve the app with it too; ``overrides`` replace single options)."""
@@ -111,7 +132,11 @@ def uvicorn_config(app: FastAPI, settings: EdgeSettings, **overrides: Any) -> uv
             connections_max=settings.connections_max,
             refusal=lambda: connection_refusal(settings.connections_max),
             on_close=lambda reason: metrics.connections_closed.labels(reason).inc(),
+            head_bytes_max=settings.request_head_bytes_max,
+            bad_request=lambda reason: bad_request_refusal(reason, settings.request_head_bytes_max),
         ),
+        # h11's own bound on an incomplete head, the same as the adapter's (which checks it first).
+        h11_max_incomplete_event_size=settings.request_head_bytes_max,
     )
     options.update(overrides)
     return uvicorn.Config(app, **options)

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -30,17 +30,19 @@ from starlette.responses import JSONResponse, Response
 
 from edge import errors
 from edge.admission import AdmissionProbe
+from edge.body import refuse_unexpected_body
 from edge.auth import Authenticator
 from edge.capacity import CapacityReader, CapacityView
 from edge.client_ip import ClientAddresses, IpLimiter
 from edge.deps import new_request_id
 from edge.metrics import EdgeMetrics
+from edge.openai_compat import catalog_written_s
 from edge.outcomes import OutcomeLog, OutcomeMiddleware
 from edge.ratelimit import TokenBuckets
 from edge.history import History
 from edge.readmodel import ReadModel
 from edge.replay import ReplayAccess
-from edge.routes import conversations, generations, openai, ui, usage
+from edge.routes import conversations, generations, internal, openai, ui, usage
 from edge.settings import EdgeSettings
 from edge.shedding import LoadShedder
 from edge.streams import GenerationView, StreamHub
@@ -77,6 +79,14 @@ class Edge:
             settings.edge_replicas,
             settings.users_sticky,
         )
+        # The page's first-token beacons, per user (edge/routes/ui.py): apart from the generation bucket.
+        self.beacon_buckets = TokenBuckets.for_fleet(
+            settings.beacon_bucket_capacity_tokens,
+            settings.beacon_bucket_refill_interval_s,
+            settings.beacon_bucket_users_max,
+            settings.edge_replicas,
+            settings.users_sticky,
+        )
         # The per-address bucket, taken before authentication (edge/client_ip.py): this edge's share.
         self.ip_limiter = IpLimiter.for_fleet(
             ClientAddresses(
@@ -107,6 +117,8 @@ class Edge:
             settings.prefill_tokens_per_s_estimate,
         )
         self.catalog = load_catalog()
+        # GET /v1/models' "created" of an alias whose catalog entry gives none (edge.openai_compat).
+        self.catalog_written_s = catalog_written_s(self.catalog)
         self.count_tokens = input_token_counter(self.catalog)
         self.client: Any = None
         self.ready = False
@@ -156,6 +168,11 @@ class Edge:
         if s.capacity_check:
             self._capacity_reader = CapacityReader(s.kafka_bootstrap, s.topology, self.capacity)
             await self._capacity_reader.start()
+        # One admission round trip before the edge calls itself ready: the first one pays for the reply
+        # partition's first fetch (a few hundred ms), and a submit arriving meanwhile would find a
+        # decision pending past the shedder's age bound and be refused for a warm-up. Bounded by the
+        # probe's timeout; a processor that is down does not keep the edge from serving reads.
+        await self.admission.probe_once()
         self.ready = True
         self.shedder.start()
         self.admission.start()
@@ -268,6 +285,11 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
         version=OPENAPI_VERSION,
         description="The HTTP/SSE edge of chatplane: submit, read and cancel generations.",
         lifespan=lifespan,
+        # A path with a trailing slash is an unknown route (typed 404), never a redirect: Starlette's
+        # redirect builds its Location from the client's Host header.
+        redirect_slashes=False,
+        # Every route reads its body through edge.body; one that takes none refuses any.
+        dependencies=[Depends(refuse_unexpected_body)],
     )
     app.state.edge = edge
     app.openapi = lambda: app.openapi_schema or _cache_openapi(app)  # type: ignore[method-assign]
@@ -275,6 +297,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(usage.router)
     app.include_router(conversations.router)
+    app.include_router(internal.router)  # the proxy's route-key look-up; not in the OpenAPI document
     ui.install(app, edge.settings.dev_mode)
     app.add_exception_handler(errors.ApiError, errors.api_error_handler)
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)

@@ -128,6 +128,11 @@ class Authenticator:
         except (jwt.PyJWTError, ValueError) as exc:
             log.info("token rejected: %s", type(exc).__name__)
             raise ApiError(RejectionCode.UNAUTHORIZED) from None
+        if float(claims["exp"]) - time.time() > self.settings.jwt_lifetime_max_s + self.settings.jwt_leeway_s:
+            # An expiry further ahead than any token this service accepts (CHATPLANE_EDGE_JWT_LIFETIME_MAX_S):
+            # were it accepted, a stolen token would be good for as long as it says.
+            log.info("token rejected: expiry beyond the lifetime maximum")
+            raise ApiError(RejectionCode.UNAUTHORIZED)
         sub = claims.get("sub")
         if not isinstance(sub, str) or not sub or len(sub) > USER_ID_CHARS_MAX:
             raise ApiError(RejectionCode.UNAUTHORIZED)

@@ -12,6 +12,7 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 
 from edge.auth import Principal
+from edge.body import refuse_body, takes_body
 from edge.errors import ApiError
 from edge.outcomes import note_user
 from schemas.codes import RateLimitScope, RejectionCode
@@ -41,6 +42,8 @@ async def principal(request: Request, authorization: Annotated[str | None, Heade
         )
     found = await edge.auth.authenticate_async(authorization)
     note_user(request, found.user_id)  # the outcome record's opaque user reference (edge/outcomes.py)
+    if not takes_body(request):
+        await refuse_body(request)  # after the token, as the body routes check their bodies (edge/body.py)
     return found
 
 

@@ -52,6 +52,7 @@ class ApiError(Exception):
         headers: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
         scope: RateLimitScope | None = None,
+        message: str | None = None,
     ) -> None:
         super().__init__(code.value)
         self.code = code
@@ -62,6 +63,8 @@ class ApiError(Exception):
         self.extra = extra or {}
         # rate_limited: which bucket refused (details.scope), the user's or the client address's.
         self.scope = scope
+        # The answer's message when the table's is too general to name what is wrong (message_of).
+        self.message = message
 
 
 def details_json(details: RejectionDetails, field: str | None = None) -> dict[str, Any]:
@@ -83,11 +86,58 @@ def details_json(details: RejectionDetails, field: str | None = None) -> dict[st
     return out
 
 
-def error_body(code: RejectionCode, request_id: str, details: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+# What an invalid_request message says about a field the client can fix; any other field is named
+# in the general form of message_of. Names only: the client's values are never echoed.
+_FIELD_MESSAGES = {
+    "model": "The request's model is not a model of this service; GET /v1/models lists the ones you may use.",
+    "method": "This route does not take this method.",
+    "Idempotency-Key": "The Idempotency-Key header is missing or invalid: 1 to 255 printable ASCII characters.",
+}
+# Which thing a 404 is about, by the path parameter of the route that answered it.
+_NOT_FOUND_MESSAGES = {
+    "generation_id": "No such generation.",
+    "conversation_id": "No such conversation.",
+}
+NO_SUCH_ROUTE = "No such route."
+# A field name is the client's own key for an unknown field; the message quotes at most this much of it.
+_FIELD_CHARS_IN_MESSAGE_MAX = 64
+
+
+def message_of(err: ApiError) -> str:
+    """The answer's message: the error's own, else one naming the field at fault (invalid_request),
+    else the table's."""
+    if err.message is not None:
+        return err.message
+    if err.code is RejectionCode.INVALID_REQUEST and err.field:
+        if err.field == "body" and err.details.limit is not None:
+            return f"The request body is over its limit of {err.details.limit} bytes."
+        known = _FIELD_MESSAGES.get(err.field)
+        if known is not None:
+            return known
+        field = err.field if len(err.field) <= _FIELD_CHARS_IN_MESSAGE_MAX else err.field[:_FIELD_CHARS_IN_MESSAGE_MAX] + "..."
+        bound = f" (limit {err.details.limit})" if err.details.limit is not None else ""
+        return f"The request's {field} is invalid{bound}; fix it before retrying."
+    return REJECTIONS[err.code].message
+
+
+def not_found_message(route_path: str | None) -> str:
+    """A 404's message naming its thing: the route's id parameter, or no route at all."""
+    if route_path is None:
+        return NO_SUCH_ROUTE
+    for param, message in _NOT_FOUND_MESSAGES.items():
+        if "{" + param + "}" in route_path:
+            return message
+    return REJECTIONS[RejectionCode.NOT_FOUND].message
+
+
+def error_body(
+    code: RejectionCode, request_id: str, details: dict[str, Any], extra: dict[str, Any] | None = None,
+    message: str | None = None,
+) -> dict[str, Any]:
     spec = REJECTIONS[code]
     error: dict[str, Any] = {
         "code": code.value,
-        "message": spec.message,
+        "message": message if message is not None else spec.message,
         "retryable": spec.retryable,
         "action": spec.action.value,
         "request_id": request_id,
@@ -120,7 +170,7 @@ def error_response(err: ApiError, request_id: str) -> Response:
     if err.code is RejectionCode.UNAUTHORIZED:
         headers["WWW-Authenticate"] = 'Bearer realm="chatplane"'
     return Response(
-        orjson.dumps(error_body(err.code, request_id, details, err.extra)),
+        orjson.dumps(error_body(err.code, request_id, details, err.extra, message_of(err))),
         status_code=spec.http_status,
         media_type="application/json",
         headers=headers,
@@ -138,9 +188,17 @@ def request_id_of(request: Request) -> str:
     return rid if isinstance(rid, str) else "req_unknown"
 
 
+def route_path_of(request: Request) -> str | None:
+    route = request.scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else None
+
+
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     note_refusal(request, exc.code)
+    if exc.code is RejectionCode.NOT_FOUND and exc.message is None:
+        exc.message = not_found_message(route_path_of(request))
     return error_response(exc, request_id_of(request))
 
 
@@ -156,10 +214,16 @@ async def validation_error_handler(request: Request, exc: Exception) -> Response
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:
-    """Framework-level errors (unknown route, wrong method) keep the typed body too."""
+    """Framework-level errors (unknown route, wrong method) keep the typed body too.
+
+    No route reads its body through FastAPI (edge/body.py), so these are the router's own answers:
+    404 for a path no route serves (a trailing slash included: the app never redirects), 405 for a
+    method the route does not take; anything else names the request as a whole."""
     assert isinstance(exc, StarletteHTTPException)
-    code = RejectionCode.NOT_FOUND if exc.status_code == 404 else RejectionCode.INVALID_REQUEST
-    err = ApiError(code, field=None if code is RejectionCode.NOT_FOUND else "method")
+    if exc.status_code == 404:
+        err = ApiError(RejectionCode.NOT_FOUND, message=not_found_message(route_path_of(request)))
+    else:
+        err = ApiError(RejectionCode.INVALID_REQUEST, field="method" if exc.status_code == 405 else "request")
     resp = error_response(err, request_id_of(request))
     if exc.status_code == 405:
         resp.status_code = 405
@@ -167,11 +231,12 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
 
 
 async def unexpected_error_handler(request: Request, exc: Exception) -> Response:
-    """A bug must not leak a stack trace; it is logged (ids only) and answered as a typed 503."""
+    """A bug must not leak a stack trace; it is logged (ids only) and answered as a typed 500
+    ``internal_error``, apart from admission's ``quota_service_unavailable`` so dashboards tell them apart."""
     import logging
 
     logging.getLogger("chatplane.edge").exception("unhandled error request_id=%s", request_id_of(request))
     edge = getattr(request.app.state, "edge", None)
     if edge is not None:
         edge.metrics.unhandled_errors.inc()
-    return error_response(ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE), request_id_of(request))
+    return error_response(ApiError(RejectionCode.INTERNAL_ERROR), request_id_of(request))

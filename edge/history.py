@@ -32,6 +32,7 @@ from typing import Any
 
 from edge.context import NoTurnToRegenerate, TurnTooLarge, build_context, history_page_reader
 from edge.errors import ApiError
+from edge.metrics import EdgeMetrics
 from projections.shared.catalog import CatalogModel
 from schemas.codes import RejectionCode
 from schemas.messages import ChatMessage, RejectionDetails
@@ -43,6 +44,10 @@ HISTORY_OPEN_TIMEOUT_S = 10.0
 CATCH_UP_WAIT_S = 2.0  # a turn waits this long for the store to show the revision it was sent against
 CATCH_UP_POLL_S = 0.02
 HISTORY_RETRY_AFTER_S = 1
+# A turn's end (its JSON answer, its stream's terminal event) waits this long for the store to show
+# the revision its answer committed at, so that any read after the client has the answer shows it
+# (read-your-writes); the history writer applies the ledger's commit milliseconds after it.
+ANSWER_VISIBLE_WAIT_S = 2.0
 
 
 def unavailable() -> ApiError:
@@ -154,13 +159,47 @@ async def _caught_up(history: History, conversation_id: str, expected_revision: 
     """Wait (bounded) until the store holds the committed message at ``expected_revision``."""
     if expected_revision == 0:
         return
+    from projections.history.store import BucketBudget
+
     deadline = time.monotonic() + CATCH_UP_WAIT_S
     while True:
-        rows = await history.call("read_before", conversation_id, expected_revision + 1, 1)
+        # Only the bucket that holds ``expected_revision``: a revision past the end must not walk
+        # every empty bucket below it on each poll.
+        rows = await history.call("read_before", conversation_id, expected_revision + 1, 1, budget=BucketBudget(1))
         if rows and rows[0].seq == expected_revision and rows[0].status is not None:
             return
         if time.monotonic() >= deadline:
             # Either the writer lags (retry helps) or the revision was never committed (the client's
             # mistake); neither may be built around.
             raise unavailable()
+        await asyncio.sleep(CATCH_UP_POLL_S)
+
+
+async def answer_visible(history: History, metrics: EdgeMetrics, conversation_id: str, revision: int) -> bool:
+    """Wait (at most ``ANSWER_VISIBLE_WAIT_S``) until the store's conversation row shows ``revision``.
+
+    Called before a turn's end is told to its client: the ledger has committed the answer at
+    ``revision`` (the history writer stored its text first), and the writer copies the commit (the
+    answer's status, the row's revision and ``updated_at``) a moment later. Waiting here, rather than
+    on the next read, means a client that holds the answer never reads an older revision, on any
+    edge (every store statement runs at LOCAL_QUORUM). True once shown, or once there is nothing to
+    wait for (the conversation was deleted meanwhile); False when the bound passed or the store
+    failed, in which case the answer goes out anyway: the generation has ended, and withholding its
+    end would not make the store catch up. Each such answer is counted
+    (``chatplane_edge_answers_not_visible_total`` by reason): a client holding it may read an older
+    revision, so the count is how often read-your-writes was not kept.
+    """
+    deadline = time.monotonic() + ANSWER_VISIBLE_WAIT_S
+    while True:
+        try:
+            row = await history.call("get_conversation", conversation_id)
+        except ApiError:
+            metrics.answers_not_visible.labels("history_unavailable").inc()
+            return False
+        if row is None or row.status != "active" or row.revision >= revision:
+            return True
+        if time.monotonic() >= deadline:
+            metrics.answers_not_visible.labels("timeout").inc()
+            log.warning("conversation %s: the store did not show revision %d in time", conversation_id, revision)
+            return False
         await asyncio.sleep(CATCH_UP_POLL_S)

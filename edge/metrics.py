@@ -20,9 +20,12 @@ SLOW_CONSUMER_LIMITS = ("stream_bytes", "aggregate_bytes", "result_bytes", "resu
 # How an admission probe ended (edge.admission.ProbeResult) and why the edge closed a connection itself
 # (edge.uvicorn_adapter): written out here so this module imports neither.
 ADMISSION_PROBE_RESULTS = ("up", "timeout", "error")
-CONNECTION_CLOSE_REASONS = ("head_timeout", "connections_max")
+CONNECTION_CLOSE_REASONS = ("head_timeout", "connections_max", "head_bytes", "malformed")
 SHED_REASONS = ("decisions_late", "edge_busy", "in_flight_limit")  # edge.shedding
 OUTCOME_DROP_REASONS = ("buffer_full", "send_failed")  # edge.outcomes
+# Why a conversation turn's end went out before the history store showed its answer's revision
+# (edge.history.answer_visible): the bound passed, or the store failed.
+ANSWER_NOT_VISIBLE_REASONS = ("timeout", "history_unavailable")
 
 
 
@@ -83,7 +86,7 @@ class EdgeMetrics:
             ["sent"], registry=r,
         )
         self.unhandled_errors = Counter(
-            "chatplane_edge_unhandled_errors", "Requests that hit a bug (answered as a typed 503); should stay 0.", registry=r
+            "chatplane_edge_unhandled_errors", "Requests that hit a bug (answered as a typed 500 internal_error); should stay 0.", registry=r
         )
         for label in ADMISSION_LABELS:
             self.admissions.labels(label)
@@ -128,3 +131,12 @@ class EdgeMetrics:
         )
         for reason in OUTCOME_DROP_REASONS:
             self.outcomes_dropped.labels(reason)
+        # Read-your-writes not kept: a turn's end told to its client while the history store still
+        # showed an older revision (a read right after it may show the older one).
+        self.answers_not_visible = Counter(
+            "chatplane_edge_answers_not_visible",
+            "Conversation turns whose end was answered before the history store showed the answer's revision.",
+            ["reason"], registry=r,
+        )
+        for reason in ANSWER_NOT_VISIBLE_REASONS:
+            self.answers_not_visible.labels(reason)

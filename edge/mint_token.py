@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> None:
         settings = EdgeSettings()
     except SettingsError as exc:
         exit_on_settings_error(exc)
+    if not 0 < args.ttl_s <= settings.jwt_lifetime_max_s:
+        # The edge refuses a token whose expiry lies further ahead than its maximum lifetime.
+        parser.error(f"--ttl-s must be 1..{settings.jwt_lifetime_max_s} (CHATPLANE_EDGE_JWT_LIFETIME_MAX_S)")
     key = open(args.rs256_private_key, encoding="utf-8").read() if args.rs256_private_key else None  # noqa: SIM115
     print(mint(settings, args.user, Tier(args.tier), args.ttl_s, private_key=key, kid=args.kid))
 

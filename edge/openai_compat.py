@@ -27,6 +27,7 @@ differ, and they are all here:
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Literal
 
@@ -35,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from edge.errors import ApiError, error_response
+from projections.shared.catalog import Catalog
 from schemas.codes import REJECTIONS, RejectionCode, RequestStatus
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -124,6 +126,22 @@ _ERROR_TYPES = {
 }
 
 
+def catalog_written_s(catalog: Catalog) -> int:
+    """When the catalog file was last written (Unix seconds; a catalog not read from a file: now).
+    ``GET /v1/models`` reports it as ``created`` for an alias whose entry gives no ``created``."""
+    try:
+        return int(os.stat(catalog.source).st_mtime)
+    except OSError:
+        return int(time.time())
+
+
+def model_created_s(catalog: Catalog, alias: str, fallback_s: int) -> int:
+    """``created`` of ``alias`` in ``GET /v1/models``: when its pinned version was published (the
+    catalog's ``created``), else ``fallback_s``. Never 0."""
+    model = catalog.models.get(alias)
+    return model.created_s if model is not None and model.created_s is not None else fallback_s
+
+
 def error_type(code: RejectionCode) -> str:
     if code is RejectionCode.QUOTA_EXHAUSTED:
         return "insufficient_quota"
@@ -139,11 +157,12 @@ def openai_error_response(err: ApiError, request_id: str) -> Response:
     native = error_response(err, request_id)
     spec = REJECTIONS[err.code]
     extra = {k: v for k, v in err.extra.items() if k in ("generation_id", "status", "partial")}
-    details = orjson.loads(native.body)["error"]["details"]
+    native_error = orjson.loads(native.body)["error"]
+    details = native_error["details"]
     for key in ("limit", "remaining", "reset_at", "retry_after_ms", "scope"):
         if key in details:
             extra[key] = details[key]
-    body = error_object(err.code.value, spec.message, error_type(err.code), err.field, request_id=request_id, **extra)
+    body = error_object(err.code.value, native_error["message"], error_type(err.code), err.field, request_id=request_id, **extra)
     headers = {k: v for k, v in native.headers.items() if k.lower() not in ("content-length", "content-type")}
     if "retry_after_ms" in details:
         headers["retry-after-ms"] = str(details["retry_after_ms"])

@@ -25,11 +25,21 @@ _REF = "#/components/schemas/{model}"
 
 
 def build(app: FastAPI) -> dict[str, Any]:
+    from edge.routes.conversations import CreateConversationRequest
     from edge.routes.generations import GenerationDocument, request_model_for
+    from edge.routes.ui import client_metrics_model_for
 
+    settings = app.state.edge.settings
     spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-    for model in (request_model_for(app.state.edge.settings), GenerationDocument):
+    # The routes read their bodies themselves (edge/body.py), so FastAPI sees none: each one's model is
+    # declared here, with this edge's bounds.
+    bodies = {
+        ("/v1/generations", "post"): request_model_for(settings),
+        ("/v1/conversations", "post"): CreateConversationRequest,
+        ("/v1/client-metrics", "post"): client_metrics_model_for(settings.policy),
+    }
+    for model in (*bodies.values(), GenerationDocument):
         doc = model.model_json_schema(ref_template=_REF)
         schemas.update(doc.pop("$defs", {}))
         schemas[model.__name__] = doc
@@ -48,8 +58,11 @@ def build(app: FastAPI) -> dict[str, Any]:
                     param["required"] = True
                     param["schema"] = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"}
                     param["description"] = "Client-chosen key of one logical request (printable ASCII)."
+    for (path, method), model in bodies.items():
+        spec["paths"][path][method]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
     post = spec["paths"]["/v1/generations"]["post"]
-    post["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/GenerationRequest"}}}}
     post["responses"]["200"]["content"]["application/json"] = {"schema": {"$ref": "#/components/schemas/GenerationDocument"}}
     return spec
 

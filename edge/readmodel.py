@@ -4,9 +4,9 @@ Data flow: ``GET /v1/generations/{id}`` and a same-key retry of a completed requ
 ``Edge.lookup``/``Edge.result`` -> this edge's memory of generations it admitted (fresh, exact) ->
 here -> ``generations_by_id`` / ``results_by_generation``. The owner check is done by the reader
 (``owner=``): another user's id answers ``None`` exactly like an unknown one. A Cassandra failure or
-a read past its deadline (``ReadModelUnavailable``) is answered as a typed 503 with Retry-After; the
-seed's table has no read-side code, and ``quota_service_unavailable``'s row (503, retryable, "retry
-later, no storm") is the closest fit. The connection is opened lazily (and re-tried at most every
+a read past its deadline (``ReadModelUnavailable``) is answered as a typed ``503 store_unavailable``
+with Retry-After: a read failed, admission did not (``quota_service_unavailable`` is kept for that, so
+dashboards tell the two apart). The connection is opened lazily (and re-tried at most every
 ``READ_MODEL_REOPEN_INTERVAL_S``) so an edge starts and admits while Cassandra is still coming up.
 """
 
@@ -108,6 +108,10 @@ def _view(v: Any) -> GenerationView:
         v.output_tokens, v.code, v.partial,
     )
     view.terminal_sequence, view.result_expires_at_ms = v.terminal_sequence, v.result_expires_at_ms
+    if v.conversation_id and v.turn_revision:
+        # A conversation turn: every edge names its revision (and the next turn's), not only the
+        # edge that admitted it.
+        view.conversation_id, view.revision = v.conversation_id, v.turn_revision
     return view
 
 
@@ -118,4 +122,4 @@ def result_pending(generation_id: str, extra: dict[str, Any] | None = None) -> A
 
 
 def _unavailable() -> ApiError:
-    return ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE, retry_after_s=2)
+    return ApiError(RejectionCode.STORE_UNAVAILABLE, retry_after_s=2)

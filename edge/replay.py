@@ -35,6 +35,7 @@ from typing import Any
 
 from edge import sse
 from edge.errors import ApiError
+from edge.history import answer_visible
 from schemas.codes import CancelReason, RejectionCode, RequestStatus
 from schemas.commands import AttachReader, DetachReader
 
@@ -71,21 +72,26 @@ class ReplayAccess:
                 except Exception as exc:  # noqa: BLE001 - unavailable, retried later
                     log.warning("replay store unavailable: %s", type(exc).__name__)
         if self._store is None:
-            raise ApiError(RejectionCode.QUOTA_SERVICE_UNAVAILABLE, retry_after_s=2)
+            raise ApiError(RejectionCode.STORE_UNAVAILABLE, retry_after_s=2)
         return self._store
 
     async def has_deltas(self, generation_id: str) -> bool:
         store = await self.store()
         return bool(await store.read_after(generation_id, 0, 1))
 
-    async def text_so_far(self, generation_id: str) -> str:
-        """The stored text of a running generation (GET shows it with ``partial: true``)."""
+    async def text_so_far(self, generation_id: str, before_seq: int | None = None) -> str:
+        """The stored text of a running generation, or of one that ended partway (cancelled, failed),
+        which GET shows with ``partial: true``: the deltas below ``before_seq`` (its terminal event's
+        sequence, as a replay ends there), all of them when None."""
         store = await self.store()
         parts: list[str] = []
         after = 0
         while True:
             rows = await store.read_after(generation_id, after, REPLAY_PAGE)
-            parts.extend(r.text for r in rows)
+            for r in rows:
+                if before_seq is not None and r.seq >= before_seq:
+                    return "".join(parts)
+                parts.append(r.text)
             if len(rows) < REPLAY_PAGE:
                 return "".join(parts)
             after = rows[-1].seq
@@ -97,15 +103,19 @@ class ReplayAccess:
 
 
 def resume_point(last_event_id: str | None, after: int | None) -> int:
-    """The sequence to replay after: ``?after=`` or ``Last-Event-ID``; -1 (from the start, the created
-    event included) when neither is given."""
+    """The sequence to replay after: ``Last-Event-ID``, else ``?after=``; -1 (from the start, the
+    created event included) when neither is given.
+
+    The header wins: a browser's EventSource reconnects to the same URL (``?after=`` included, as
+    first opened) and adds ``Last-Event-ID`` with the last id it received, so the header is always
+    the newer position of the two."""
+    if last_event_id is not None and last_event_id != "":
+        if not last_event_id.isdigit() or len(last_event_id) > 9:
+            raise ApiError(RejectionCode.INVALID_REQUEST, field="Last-Event-ID")
+        return int(last_event_id)
     if after is not None:
         return after
-    if last_event_id is None or last_event_id == "":
-        return -1
-    if not last_event_id.isdigit() or len(last_event_id) > 9:
-        raise ApiError(RejectionCode.INVALID_REQUEST, field="Last-Event-ID")
-    return int(last_event_id)
+    return -1
 
 
 class Replay:
@@ -147,11 +157,12 @@ class Replay:
         edge, gid = self.edge, self.view.generation_id
         store = await edge.replay.store()
         last = self.after
+        view = self.view
         if last < 0:
-            if not await self._push(sse.created(gid, RequestStatus.QUEUED.value)):
+            # As the first stream's created event: a turn's names its conversation and revision.
+            if not await self._push(sse.created(gid, RequestStatus.QUEUED.value, view.conversation_id, view.revision)):
                 return
             last = 0
-        view = self.view
         while True:
             terminal = view.status in _TERMINAL
             final = (view.terminal_sequence or 0) if terminal else 0
@@ -169,8 +180,16 @@ class Replay:
                 status, code = view.status, view.code
                 if status is RequestStatus.REJECTED:
                     status = RequestStatus.FAILED
+                # A conversation turn's end names the next turn's revision: this edge's memory of a
+                # turn it admitted, else the read model's row (or the processor's answer to a retry).
+                turn_known = view.conversation_id is not None and view.revision is not None
+                if turn_known:
+                    # Read-your-writes, as on the stream that admitted it: its end is told once the
+                    # history store shows the answer's revision (bounded; counted when not).
+                    await answer_visible(edge.history, edge.metrics, view.conversation_id, view.revision + 1)
                 frame = sse.terminal(
-                    gid, final or last + 1, status, code, view.partial, view.input_tokens, view.output_tokens
+                    gid, final or last + 1, status, code, view.partial, view.input_tokens, view.output_tokens,
+                    view.conversation_id if turn_known else None, view.revision + 1 if turn_known else None,
                 )
                 if not await self._push(frame):
                     return
@@ -180,6 +199,9 @@ class Replay:
             await asyncio.sleep(REPLAY_POLL_S)
             fresh = await edge.lookup(gid, self.user_id)
             if fresh is not None:
+                if fresh.conversation_id is None:
+                    # A row projected before it recorded turns: keep the turn the first view named.
+                    fresh.conversation_id, fresh.revision = view.conversation_id, view.revision
                 view = fresh
 
     async def frames(self) -> AsyncIterator[bytes]:

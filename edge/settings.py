@@ -71,6 +71,9 @@ class EdgeSettings:
     jwt_issuer: str = setting("CHATPLANE_EDGE_JWT_ISSUER", "chatplane-local")
     jwt_audience: str = setting("CHATPLANE_EDGE_JWT_AUDIENCE", "chatplane-edge")
     jwt_leeway_s: int = setting("CHATPLANE_EDGE_JWT_LEEWAY_S", 30, ge=0)
+    # A token whose expiry lies further ahead than this is refused (401): a stolen token with an
+    # expiry of centuries would otherwise be good for ever. Counted from now, so iat is optional.
+    jwt_lifetime_max_s: int = setting("CHATPLANE_EDGE_JWT_LIFETIME_MAX_S", 24 * 3600, ge=1)
 
     # Cyclic GC (projections.shared.gc_tuning.tune_gc): young-generation size; 0 keeps Python's settings.
     gc_gen0_threshold: int = setting("CHATPLANE_EDGE_GC_GEN0_THRESHOLD", GC_GEN0_THRESHOLD_DEFAULT, ge=0)
@@ -80,6 +83,9 @@ class EdgeSettings:
 
     # Bounds checked before any work.
     request_body_bytes_max: int = setting("CHATPLANE_EDGE_REQUEST_BODY_BYTES_MAX", 256 * 1024, ge=1)
+    # A request head (request line and headers) larger than this is answered the typed 400 and the
+    # connection closed (edge.uvicorn_adapter), however the bytes arrive.
+    request_head_bytes_max: int = setting("CHATPLANE_EDGE_REQUEST_HEAD_BYTES_MAX", 64 * 1024, ge=1024, le=16 * 1024 * 1024)
     messages_count_max: int = setting("CHATPLANE_EDGE_MESSAGES_COUNT_MAX", 256, ge=1)
     input_tokens_max: int = setting("CHATPLANE_EDGE_INPUT_TOKENS_MAX", 32_768, ge=1)
 
@@ -91,6 +97,12 @@ class EdgeSettings:
     # then sized capacity / replicas so the fleet never admits more than one global bucket.
     edge_replicas: int = setting("CHATPLANE_EDGE_REPLICAS", 1, ge=1)
     users_sticky: bool = setting("CHATPLANE_EDGE_USERS_STICKY", True)
+    # The web page's first-token beacon (POST /v1/client-metrics) takes a bucket of its own per user,
+    # so beacons never spend the user's generation bucket: the same shape (capacity, one token back
+    # per refill interval, at most users_max users tracked, least recent dropped; the fleet's share).
+    beacon_bucket_capacity_tokens: float = setting("CHATPLANE_EDGE_BEACON_BUCKET_CAPACITY", 20.0, gt=0)
+    beacon_bucket_refill_interval_s: float = setting("CHATPLANE_EDGE_BEACON_BUCKET_REFILL_INTERVAL_S", 3.0, gt=0)
+    beacon_bucket_users_max: int = setting("CHATPLANE_EDGE_BEACON_BUCKET_USERS_MAX", 200_000, ge=1)
     # Burst token bucket per client address (edge/client_ip.py), taken before authentication: the
     # fleet's rate and burst, of which this edge holds the share 1 / edge_replicas (addresses are not
     # sticky). Burst or rate 0: off. At most ip_buckets_max addresses are tracked (least recent dropped).

@@ -6,9 +6,9 @@ One event is ``event: <name>\\ndata: <one JSON line>\\n\\n`` in UTF-8; a heartbe
 
     generation.created      {generation_id, sequence: 0, status[, conversation_id, revision]}
     generation.text.delta   {generation_id, sequence, index, delta}
-    generation.completed    {generation_id, sequence, usage: {input_tokens, output_tokens}}
-    generation.cancelled    {generation_id, sequence, partial, usage}
-    generation.error        {generation_id, sequence, code, action, partial}
+    generation.completed    {generation_id, sequence, usage: {input_tokens, output_tokens}[, conversation_id, next_expected_revision]}
+    generation.cancelled    {generation_id, sequence, partial, usage[, conversation_id, next_expected_revision]}
+    generation.error        {generation_id, sequence, code, action, partial, usage[, conversation_id, next_expected_revision]}
 """
 
 from __future__ import annotations
@@ -56,13 +56,18 @@ def terminal(
     partial: bool,
     input_tokens: int,
     output_tokens: int,
+    conversation_id: str | None = None,
+    next_expected_revision: int | None = None,
 ) -> bytes:
     usage = {"input_tokens": input_tokens, "output_tokens": output_tokens}
+    # A conversation turn's end names the revision the conversation's next turn must send (every
+    # turn's answer commits, completed or incomplete, so each terminal event carries it).
+    turn = {} if conversation_id is None else {"conversation_id": conversation_id, "next_expected_revision": next_expected_revision}
     if status is RequestStatus.COMPLETED:
-        return frame(COMPLETED, {"generation_id": generation_id, "sequence": sequence, "usage": usage})
+        return frame(COMPLETED, {"generation_id": generation_id, "sequence": sequence, "usage": usage, **turn})
     if status is RequestStatus.CANCELLED:
         return frame(
-            CANCELLED, {"generation_id": generation_id, "sequence": sequence, "partial": partial, "usage": usage}
+            CANCELLED, {"generation_id": generation_id, "sequence": sequence, "partial": partial, "usage": usage, **turn}
         )
     error_code = code or RejectionCode.MODEL_BACKEND_ERROR
     return frame(
@@ -74,6 +79,7 @@ def terminal(
             "action": REJECTIONS[error_code].action.value,
             "partial": partial,
             "usage": usage,
+            **turn,
         },
     )
 

@@ -29,7 +29,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,7 @@ from edge import sse
 from edge.metrics import EdgeMetrics
 from edge.settings import EdgeSettings
 from schemas.codes import CancelReason, RejectionCode, RequestStatus, Tier
-from schemas.commands import CancelGeneration, DetachReader
+from schemas.commands import AttachReader, CancelGeneration, DetachReader
 from schemas.messages import ChatMessage, GenerationFinalized, PromptPayload, PromptPublished, PromptRequest, TextDelta
 from schemas.wire import encode
 
@@ -81,12 +81,21 @@ class GenerationStream:
     # created event carries both); None for a stateless request.
     conversation_id: str | None = None
     revision: int | None = None
+    # Awaited before the client is told the generation ended (its terminal frame, or its JSON
+    # answer): a conversation turn waits for the history store to show its answer's revision
+    # (edge.history.answer_visible, itself bounded). Until then the terminal frame is held in
+    # ``held_terminal`` rather than buffered; None: nothing to wait for.
+    before_terminal: Callable[[], Awaitable[Any]] | None = None
+    held_terminal: bytes | None = None
     buffer: deque[bytes] = field(default_factory=deque)
     buffered_bytes: int = 0
     next_sequence: int = 1
     last_worker_sequence: int = -1
     overflowed: bool = False
     reader_gone: bool = False
+    # Set once this edge's DetachReader for it has been sent (or failed to send): a keyless retry
+    # attached to it here re-attaches after that, so the detach cannot be decided after the attach.
+    detach_sent: asyncio.Event | None = None
     finalized: GenerationFinalized | None = None
     terminal_status: RequestStatus | None = None
     first_delta_seen: bool = False
@@ -137,6 +146,9 @@ class StreamHub:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.background_dropped = 0
         self.early: OrderedDict[str, tuple[float, list[Any]]] = OrderedDict()
+        # Generation id -> requests of this edge following it besides the one that admitted it (keyless
+        # retries the processor attached to it: ``follow``); at most ``streams_max`` generations.
+        self.followers: dict[str, int] = {}
 
     # --- registration -------------------------------------------------------------------------
 
@@ -146,9 +158,9 @@ class StreamHub:
     def hold(self, stream: GenerationStream) -> None:
         self.streams[stream.generation_id] = stream
         self.metrics.active_streams.set(len(self.streams))
-        self.remember(
-            GenerationView(stream.generation_id, stream.user_id, RequestStatus.QUEUED, stream.model_version, stream.input_tokens)
-        )
+        view = GenerationView(stream.generation_id, stream.user_id, RequestStatus.QUEUED, stream.model_version, stream.input_tokens)
+        view.conversation_id, view.revision = stream.conversation_id, stream.revision
+        self.remember(view)
         if stream.conversation_id is not None and stream.framer is sse.NATIVE:
             created = sse.created(stream.generation_id, RequestStatus.QUEUED.value, stream.conversation_id, stream.revision)
         else:
@@ -216,6 +228,14 @@ class StreamHub:
         stream.last_worker_sequence = d.sequence
         if stream.finalized is not None or stream.overflowed or stream.reader_gone:
             self.metrics.deltas_dropped.labels("not_forwarded").inc()
+            if stream.reader_gone and stream.finalized is None and not stream.overflowed:
+                # No frame for a reader that left, but the text is still collected (bounded as
+                # ever): a retry attached to the generation here answers with all of it, and the
+                # retained result is whole.
+                view = self.recent.get(stream.generation_id)
+                if view is not None and view.status is RequestStatus.QUEUED:
+                    view.status = RequestStatus.RUNNING
+                self._collect(stream, d.text)
             return
         if not stream.first_delta_seen:
             stream.first_delta_seen = True
@@ -297,19 +317,30 @@ class StreamHub:
             # Declined before it started (no worker took it in time): retryable with the same key.
             status, code = RequestStatus.FAILED, RejectionCode.CAPACITY_EXHAUSTED
         stream.terminal_status = status
-        # Deltas after the reader left were not collected: that text is not the whole result (the
-        # result store has it; this edge's memory must not answer with a truncated copy).
-        if status is RequestStatus.COMPLETED and not stream.result_truncated and not stream.reader_gone:
+        # Deltas after the reader left are collected too, so the text is whole unless truncated (then
+        # the result store has it; this edge's memory must not answer with a truncated copy).
+        if status is RequestStatus.COMPLETED and not stream.result_truncated:
             self._retain_result(stream)
         self.metrics.terminal_events.labels(status.value).inc()
         if stream.streaming:
             # The processor fixed the terminal event's id with the terminal state (0: after the last delta).
             sequence = f.sequence or max(stream.next_sequence, stream.last_worker_sequence + 1)
-            frame = stream.framer.terminal(
-                stream.generation_id, sequence, status, code, f.partial, f.input_tokens, f.output_tokens
-            )
+            if stream.conversation_id is not None and stream.revision is not None and stream.framer is sse.NATIVE:
+                # Every turn's answer commits at the revision after the turn's own (completed or
+                # incomplete): the revision the conversation's next turn must send.
+                frame = sse.terminal(
+                    stream.generation_id, sequence, status, code, f.partial, f.input_tokens, f.output_tokens,
+                    stream.conversation_id, stream.revision + 1,
+                )
+            else:
+                frame = stream.framer.terminal(
+                    stream.generation_id, sequence, status, code, f.partial, f.input_tokens, f.output_tokens
+                )
             stream.next_sequence = sequence + 1
-            self._push(stream, frame, bounded=False)
+            if stream.before_terminal is not None:
+                stream.held_terminal = frame  # written by frames() once before_terminal has returned
+            else:
+                self._push(stream, frame, bounded=False)
         stream.done.set()
         stream.wake.set()
         if stream.reader_gone:
@@ -418,7 +449,75 @@ class StreamHub:
         if stream.finalized is not None:
             self._drop(stream)
             return
+        if self.followers.get(stream.generation_id):
+            # Another request of this edge reads it (a retry attached to it): the edge is still its
+            # reader. The stream stays held, collecting text, until its end or the last follower goes.
+            return
+        stream.detach_sent = asyncio.Event()  # before the task runs: a follower arriving now waits for it
         self._background(self._detach(stream))
+
+    # --- followers ----------------------------------------------------------------------------
+
+    def follow(self, generation_id: str, user_id: str) -> bool:
+        """A request of this edge follows ``generation_id``, which the processor attached it to (a
+        keyless retry of the request that admitted it); False when ``streams_max`` generations are
+        followed already. While one follows, this edge does not detach the generation.
+
+        If this edge already sent (or is sending) a detach for it, its first try's client having
+        gone, a ``AttachReader`` follows that detach: the attach decided with the retry's admission
+        may have been read before it, and the detach must not cancel what the retry reads.
+        """
+        if generation_id not in self.followers and len(self.followers) >= self.settings.streams_max:
+            return False
+        self.followers[generation_id] = self.followers.get(generation_id, 0) + 1
+        stream = self.streams.get(generation_id)
+        if stream is not None and stream.detach_sent is not None and stream.finalized is None:
+            self._background(self._reattach_after(stream.detach_sent, generation_id, user_id))
+        return True
+
+    def unfollow(self, generation_id: str, user_id: str, ended: bool) -> None:
+        """A follower's response ended; the last one to leave a generation that has not ended detaches
+        it, exactly as the reader that admitted it would have."""
+        left = self.followers.get(generation_id, 0) - 1
+        if left > 0:
+            self.followers[generation_id] = left
+            return
+        self.followers.pop(generation_id, None)
+        if ended:
+            return
+        stream = self.streams.get(generation_id)
+        if stream is None:
+            self._background(self._send_detach(user_id, generation_id))
+        elif stream.reader_gone and stream.detach_sent is None and stream.finalized is None:
+            stream.detach_sent = asyncio.Event()
+            self._background(self._detach(stream))
+
+    async def _reattach_after(self, detach_sent: asyncio.Event, generation_id: str, user_id: str) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.settings.decision_timeout_s):
+                await detach_sent.wait()
+        command = AttachReader(
+            command_id=uuid.uuid4().hex,
+            user_id=user_id,
+            issued_at_ms=int(time.time() * 1000),
+            generation_id=generation_id,
+            reader_id=self.edge_id,
+        )
+        await self.client.send(command)
+
+    async def _send_detach(self, user_id: str, generation_id: str) -> None:
+        grace_s = self.settings.disconnect_grace_s
+        self.metrics.readers_detached.inc()
+        command = DetachReader(
+            command_id=uuid.uuid4().hex,
+            user_id=user_id,
+            issued_at_ms=int(time.time() * 1000),
+            generation_id=generation_id,
+            reader_id=self.edge_id,
+            grace_ms=int(grace_s * 1000),
+            reason=CancelReason.CLIENT_DISCONNECT,
+        )
+        await self.client.send(command)
 
     async def _detach(self, stream: GenerationStream) -> None:
         """Tell the processor the reader is gone, then hold the stream until its terminal state (the
@@ -435,8 +534,12 @@ class StreamHub:
             grace_ms=int(grace_s * 1000),
             reason=CancelReason.CLIENT_DISCONNECT,
         )
+        sent = stream.detach_sent = stream.detach_sent or asyncio.Event()
         try:
-            await self.client.send(command)
+            try:
+                await self.client.send(command)
+            finally:
+                sent.set()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(grace_s + self.settings.generation_wait_s_max):
                     await stream.done.wait()
@@ -460,6 +563,10 @@ class StreamHub:
                     yield batch
                 self.metrics.buffered_bytes.set(self.aggregate_bytes)
                 if stream.finalized is not None or stream.closed:
+                    if stream.held_terminal is not None and stream.before_terminal is not None:
+                        held, stream.held_terminal = stream.held_terminal, None
+                        await stream.before_terminal()
+                        yield held
                     return
                 stream.wake.clear()
                 remaining = deadline - time.monotonic()

@@ -107,6 +107,24 @@ class SlotReleaseReason(StrEnum):
     LEASE_FENCED = "lease_fenced"  # the lease lapsed and the epoch is fenced
 
 
+class RetryAttach(StrEnum):
+    """How a submit without a client's ``Idempotency-Key`` may be answered by a generation already
+    admitted for the same request (the OpenAI-compatible route; docs/edge.md, "Retries without a key").
+
+    The edge makes up a fresh key for each such try, so the key cannot tie a client's automatic
+    retries to the first try; the processor matches them by fingerprint instead, in the admission
+    decision itself.
+    """
+
+    OFF = "off"  # the client's own key identifies the request: no fingerprint matching
+    # A keyless first try: admitted as a new request and remembered by fingerprint for the attach
+    # window; it attaches only to a generation one of its own retries was admitted as before it.
+    ORIGINAL = "original"
+    # A keyless try the client marked as its retry: attaches to the newest running or completed
+    # generation of the same fingerprint remembered within the window; without one it is admitted.
+    RETRY = "retry"
+
+
 class ClientAction(StrEnum):
     FIX_REQUEST = "fix_request"
     AUTHENTICATE = "authenticate"
@@ -128,6 +146,8 @@ class RateLimitScope(StrEnum):
 
     USER = "user"  # the principal's bucket (after authentication)
     IP = "ip"  # the client address's bucket (before authentication: edge/client_ip.py)
+    # The page's first-token beacon's own bucket (POST /v1/client-metrics): never the user's generation bucket.
+    CLIENT_METRICS = "client_metrics"
 
 
 class RejectionCode(StrEnum):
@@ -148,7 +168,13 @@ class RejectionCode(StrEnum):
     # core keeps every key it answered for its whole retention, so it refuses a new one instead).
     IDEMPOTENCY_KEYS_EXHAUSTED = "idempotency_keys_exhausted"
     CAPACITY_EXHAUSTED = "capacity_exhausted"
+    # The admission authority (the processor) gave no decision in time: for admission only.
     QUOTA_SERVICE_UNAVAILABLE = "quota_service_unavailable"
+    # A store the edge reads (the Cassandra read model, the stored deltas of resumable streams) did not
+    # answer in time; nothing was decided or charged. Apart from admission, so dashboards tell them apart.
+    STORE_UNAVAILABLE = "store_unavailable"
+    # A bug in the edge (an unhandled exception), answered typed; counted in chatplane_edge_unhandled_errors_total.
+    INTERNAL_ERROR = "internal_error"
     MODEL_BACKEND_ERROR = "model_backend_error"
     GENERATION_TIMEOUT = "generation_timeout"
     # Conversations (docs/conversations.md): a turn sent against a revision that is no longer the
@@ -197,13 +223,15 @@ REJECTIONS: dict[RejectionCode, RejectionSpec] = {
         _spec(_C.IDEMPOTENCY_KEYS_EXHAUSTED, 429, True, _A.RETRY_AFTER_DELAY, "Too many new Idempotency-Keys in the retention period; wait before retrying."),
         _spec(_C.CAPACITY_EXHAUSTED, 503, True, _A.RETRY_SAME_KEY_WITH_BACKOFF, "No model capacity is available right now."),
         _spec(_C.QUOTA_SERVICE_UNAVAILABLE, 503, True, _A.RETRY_LATER_NO_STORM, "Admission is temporarily unavailable."),
+        _spec(_C.STORE_UNAVAILABLE, 503, True, _A.RETRY_AFTER_DELAY, "A data store is temporarily unavailable; nothing was changed. Retry shortly."),
+        _spec(_C.INTERNAL_ERROR, 500, True, _A.RETRY_LATER_NO_STORM, "An internal error occurred; it is logged under this request_id. Retry later."),
         _spec(_C.MODEL_BACKEND_ERROR, 502, False, _A.MANUAL_REGENERATE, "The model backend failed; inspect the generation."),
         _spec(_C.GENERATION_TIMEOUT, 504, False, _A.MANUAL_REGENERATE, "The generation ran past its deadline; inspect the generation."),
         _spec(_C.CONVERSATION_CONFLICT, 409, False, _A.RELOAD_CONVERSATION, "The conversation changed since the revision you sent; reload it and send again."),
         _spec(_C.HISTORY_UNAVAILABLE, 503, True, _A.RETRY_AFTER_DELAY, "Conversation history is temporarily unavailable; stateless requests still work."),
         _spec(_C.PROMPT_REFUSED, 400, False, _A.CHANGE_REQUEST, "The request was refused by a content policy; change it before sending again."),
         _spec(_C.OUTPUT_REFUSED, 422, False, _A.CHANGE_REQUEST, "The answer was stopped by a content policy; change the request before sending again."),
-        _spec(_C.NOT_FOUND, 404, False, _A.NONE, "No such generation."),
+        _spec(_C.NOT_FOUND, 404, False, _A.NONE, "Not found."),
         _spec(_C.STALE_ATTEMPT, 409, False, _A.NONE, "The attempt is fenced, stale or owned elsewhere."),
     )
 }

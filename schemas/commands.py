@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from schemas.codes import CancelReason, FinishOutcome, FinishReason, RejectionCode, Tier
+from schemas.codes import CancelReason, FinishOutcome, FinishReason, RejectionCode, RetryAttach, Tier
 
 COMMAND_SCHEMA_VERSION = 1
 
@@ -86,6 +86,10 @@ class SubmitGeneration:
     # setting may add one. Each names stricter limits (quota, tokens, concurrency) applied in the
     # same decision (docs/core.md, "Account risk classes").
     risk_class: RiskClassName = ""
+    # A request without the client's own Idempotency-Key (``RetryAttach``): whether it is remembered
+    # by fingerprint (a first try) or may attach to the generation an earlier try was admitted as (a
+    # retry the client marked as one). ``off`` (commands written before it): the key alone identifies it.
+    retry_attach: RetryAttach = RetryAttach.OFF
     reply_to: ReplyTo | None = None
 
 

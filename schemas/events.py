@@ -20,6 +20,7 @@ from schemas.codes import (
     FinishReason,
     RejectionCode,
     RequestStatus,
+    RetryAttach,
     SlotReleaseReason,
     Tier,
 )
@@ -72,6 +73,12 @@ class GenerationAdmitted(_EventBase):
     window_token_limit: int = 0
     token_limit: int = 0  # the budget this decision applied (the tier's or a stricter risk class's); 0 = none
     risk_class: str = ""  # the risk class whose limits applied ("" = none)
+    # A request without the client's own key (``RetryAttach``): remembered by its fingerprint until
+    # ``retry_attach_until_ms`` so that the client's retries attach to this generation; ``retry`` when
+    # a retry was admitted because nothing matched (its first try may still come). Absent from events
+    # recorded before it: ``off``, 0 (not remembered).
+    retry_attach: RetryAttach = RetryAttach.OFF
+    retry_attach_until_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,6 +197,23 @@ class ReaderAttached(_EventBase):
 
     type: Literal["ReaderAttached"] = "ReaderAttached"
     reader_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestAttached(_EventBase):
+    """A submit without the client's own key was answered by ``generation_id``, admitted earlier for
+    the same fingerprint, instead of being admitted: nothing is reserved or charged for it.
+
+    ``retry_attach`` is how it matched: ``retry`` (a retry found its first try's generation, or an
+    earlier retry's) or ``original`` (a first try read after one of its retries was admitted: the
+    generation is no longer waiting for its first try).
+    """
+
+    type: Literal["RequestAttached"] = "RequestAttached"
+    idempotency_key: str  # the key the edge made up for this try (never stored as a request record)
+    fingerprint: str
+    reader_id: str
+    retry_attach: RetryAttach
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -419,6 +443,7 @@ Event = (
     | CancelRequested
     | ReaderDetached
     | ReaderAttached
+    | RequestAttached
     | ConcurrencySlotReleased
     | GenerationReturnedToAdmission
     | GenerationCompleted

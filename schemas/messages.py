@@ -94,13 +94,18 @@ class Outcome:
     result_expires_at_ms: int | None = None
     usage: UsageSnapshot | None = None  # the answer to a QueryUsage
     # Conversations: the conversation a decision is about and its revision (for an admitted turn, the
-    # revision its user message committed at; for a create or delete, the committed revision).
+    # revision its user message committed at, and the same for a same-key retry of a turn, whatever
+    # its state; for a create or delete, the committed revision).
     conversation_id: str | None = None
     revision: int | None = None
     # generation_in_progress: True when the running generation is this idempotency key's own (a
     # retry of the same request; follow it), False when it is another request's (a conversation's
     # other turn, e.g. from another tab).
     same_request: bool = False
+    # A submit without the client's own key attached to ``generation_id`` (kind ``applied``: nothing
+    # was reserved), the generation an earlier try of the same request was admitted as; ``status`` may
+    # be queued or running: the issuer follows it to its end instead of answering its state.
+    attached: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,6 +16,7 @@ stored the turn.
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 import uuid
 from typing import Annotated, Any
@@ -26,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from control_plane.decide import conversation_id_for
 from edge.deps import CurrentPrincipal, IdempotencyKey
-from edge.errors import ApiError, iso_utc
+from edge.errors import ApiError
 from edge.history import owned_conversation
 from edge.routes.generations import _ERRORS, STRICT_PARSING_NOTE, _STRICT, read_body, validated
 from projections.shared.command_client import DecisionTimeout, TooManyPending
@@ -44,6 +45,10 @@ MESSAGES_LIMIT_DEFAULT, MESSAGES_LIMIT_MAX = 50, 200
 # at most this many times for what they took (a conversation regenerated over and over still costs
 # a bounded number of reads per page; the page is then short, and ``next_after`` goes on from it).
 MESSAGES_REFILLS_MAX = 4
+# ``messages`` partitions one messages read may query, whatever its cursor and refills: a page of the
+# largest limit over dense seqs needs ceil(200 / 64) + 1 = 5. Past it the page is short and
+# ``next_after`` goes on from it, so no cursor can make a read cost more than this.
+MESSAGES_BUCKETS_PER_READ_MAX = 8
 
 ConversationId = Annotated[str, Path(min_length=1, max_length=64)]
 
@@ -86,13 +91,19 @@ class MessagePage(BaseModel):
     revision: int
 
 
+def iso_utc_ms(ms: int) -> str:
+    """ISO-8601 UTC to the millisecond: a conversation's ``updated_at`` moves with every turn, and
+    turns follow each other within a second (whole seconds would show two turns at one time)."""
+    return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def _conversation_doc(row: Any) -> dict[str, Any]:
     return {
         "id": row.conversation_id,
         "title": row.title,
         "revision": row.revision,
-        "created_at": iso_utc(row.created_at_ms),
-        "updated_at": iso_utc(row.updated_at_ms),
+        "created_at": iso_utc_ms(row.created_at_ms),
+        "updated_at": iso_utc_ms(row.updated_at_ms),
     }
 
 
@@ -104,7 +115,7 @@ def _message_doc(m: Any) -> dict[str, Any]:
         "content": m.content,
         "status": m.status,
         "generation_id": m.generation_id,
-        "created_at": iso_utc(m.created_at_ms),
+        "created_at": iso_utc_ms(m.created_at_ms),
     }
     if m.role == "assistant":
         doc["parent_seq"] = m.parent_seq
@@ -166,8 +177,8 @@ async def create_conversation(request: Request, principal: CurrentPrincipal, key
         "id": cid,
         "title": req.title,
         "revision": outcome.revision or 0,
-        "created_at": iso_utc(created_at_ms),
-        "updated_at": iso_utc(created_at_ms),
+        "created_at": iso_utc_ms(created_at_ms),
+        "updated_at": iso_utc_ms(created_at_ms),
     }
     return JSONResponse(doc, status_code=201, headers={"Cache-Control": "no-store"})
 
@@ -208,6 +219,11 @@ async def get_conversation(request: Request, principal: CurrentPrincipal, conver
 @router.get(
     "/{conversation_id}/messages",
     summary="A bounded range of the active branch: ascending after a seq, or newest first before one",
+    description=(
+        "Cursors past the end read what exists (before is clamped to revision + 1, after to revision). One read "
+        f"queries at most {MESSAGES_BUCKETS_PER_READ_MAX} storage buckets; a page cut short by that bound has a "
+        "next_after to page on from."
+    ),
     response_model=MessagePage,
     responses=_ERRORS,
 )
@@ -231,21 +247,28 @@ async def read_messages(
     # Only committed messages: those the ledger's verdict reached (an answer is written before its
     # commit, without a status, and shown once committed).
     page: list[Any] = []
-    cursor = (before if before is not None else row.revision + 1) if descending else (after or 0)
+    # Cursors are clamped to what exists (seqs are the revisions 1..revision): a cursor past the end
+    # reads the newest page (descending) or nothing (ascending), never the empty buckets beyond.
+    newest = row.revision + 1
+    cursor = min(before if before is not None else newest, newest) if descending else min(after or 0, row.revision)
+    from projections.history.store import BucketBudget  # imported where used, as edge.history does
+
+    budget = BucketBudget(MESSAGES_BUCKETS_PER_READ_MAX)
     last_seen: int | None = None
     for _ in range(MESSAGES_REFILLS_MAX):
         wanted = limit - len(page)
         if descending:
-            rows = await history.call("read_before", conversation_id, cursor, wanted)
+            rows = await history.call("read_before", conversation_id, cursor, wanted, budget=budget)
         else:
-            rows = await history.call("read_after", conversation_id, cursor, wanted, row.revision)
+            rows = await history.call("read_after", conversation_id, cursor, wanted, row.revision, budget=budget)
         for m in rows:
             last_seen = m.seq
             if m.status is None or (branch == "active" and m.superseded_by is not None):
                 continue
             page.append(m)
         if len(rows) < wanted or len(page) >= limit:
-            exhausted = len(rows) < wanted
+            # A read cut short by the bucket budget is not the end: the client pages on from it.
+            exhausted = len(rows) < wanted and not budget.ran_out
             break
         cursor = rows[-1].seq
     else:

@@ -27,10 +27,11 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from control_plane.decide import generation_id_for
+from edge.body import read_body  # the one body reader; re-exported for the routes that import it from here
 from edge.deps import CurrentPrincipal, IdempotencyKey
 from edge.errors import DRAINING_RETRY_AFTER_S, ApiError
 from edge.fingerprint import fingerprint
-from edge.history import PreparedTurn, prepare_turn
+from edge.history import PreparedTurn, answer_visible, prepare_turn
 from edge.outcomes import note_decision, note_stream
 from edge.readmodel import result_pending
 from edge.replay import REPLAY_LOOKUP_WAIT_S, Replay, resume_point
@@ -39,7 +40,7 @@ from edge import sse
 from edge.streams import GenerationStream, GenerationView, StreamHub
 from projections.shared import tracing
 from projections.shared.command_client import DecisionTimeout, TooManyPending
-from schemas.codes import REJECTIONS, RateLimitScope, RejectionCode, RequestStatus
+from schemas.codes import REJECTIONS, RateLimitScope, RejectionCode, RequestStatus, RetryAttach
 from schemas.commands import CancelGeneration, SubmitGeneration
 from schemas.messages import ChatMessage, Outcome, OutcomeKind, RejectionDetails
 from schemas.outcomes import AdmissionResult
@@ -156,6 +157,13 @@ class GenerationDocument(BaseModel):
     status: str
     conversation_id: str | None = None
     revision: int | None = None  # the revision the turn's user message committed at
+    # Once the turn has ended: the revision its answer committed at, which the conversation's next
+    # turn sends as ``expected_revision`` (no arithmetic on ``revision`` needed). The answer is in
+    # the store when this is sent, so a read made after it shows at least this revision.
+    next_expected_revision: int | None = Field(
+        default=None,
+        description="Conversation turns, once ended: the revision the next turn must send as expected_revision.",
+    )
     model_version: str | None = None
     output: list[OutputText] = []
     usage: Usage | None = None
@@ -193,22 +201,6 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-async def read_body(request: Request, limit_bytes: int) -> bytes:
-    """The body, counted while it is read: an oversized body is refused, never buffered whole."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit() or int(declared) > limit_bytes:
-            raise ApiError(RejectionCode.INVALID_REQUEST, field="body", details=RejectionDetails(limit=limit_bytes))
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit_bytes:
-            raise ApiError(RejectionCode.INVALID_REQUEST, field="body", details=RejectionDetails(limit=limit_bytes))
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 # Pydantic's error types for a value over its upper bound, and where the error names that bound.
 _LIMIT_CONTEXT_KEYS = {"too_long": "max_length", "less_than_equal": "le"}
 
@@ -237,10 +229,16 @@ def validated(doc: Any, model: type[BaseModel], renamed: dict[str, str] | None =
         raise ApiError(RejectionCode.INVALID_REQUEST, details, field=where) from None
 
 
+# A turn in one of these states has committed its answer (completed or incomplete) at revision + 1.
+_TURN_ENDED = frozenset({RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED})
+
+
 def _document(view: GenerationView, text: str | None) -> dict[str, Any]:
     doc: dict[str, Any] = {"id": view.generation_id, "status": view.status.value, "model_version": view.model_version}
     if view.conversation_id:
         doc["conversation_id"], doc["revision"] = view.conversation_id, view.revision
+        if view.revision is not None and view.status in _TURN_ENDED:
+            doc["next_expected_revision"] = view.revision + 1
     doc["output"] = [{"type": "text", "text": text}] if text is not None else []
     doc["usage"] = {"input_tokens": view.input_tokens, "output_tokens": view.output_tokens}
     if view.status in (RequestStatus.CANCELLED, RequestStatus.FAILED):
@@ -256,7 +254,11 @@ def _document(view: GenerationView, text: str | None) -> dict[str, Any]:
     summary="Submit a generation (SSE stream or one JSON document)",
     responses={
         200: {
-            "description": "stream=true: text/event-stream of generation.* events; stream=false: the generation document",
+            "description": (
+                "stream=true: text/event-stream of generation.* events (a conversation turn's terminal event carries "
+                "conversation_id and next_expected_revision; a same-key retry of a finished stream replays its events); "
+                "stream=false: the generation document"
+            ),
             "content": {"text/event-stream": {"schema": {"type": "string"}}, "application/json": {"schema": GenerationDocument.model_json_schema()}},
         },
         **_ERRORS,
@@ -272,6 +274,8 @@ async def submit(request: Request, principal: CurrentPrincipal, key: Idempotency
     check_turn_shape(req)
     admitted = await admit(request, principal, key, req, received_s)
     if isinstance(admitted, Outcome):
+        if req.stream:
+            return await _existing_stream(request, principal.user_id, admitted)
         return await _existing(edge, principal.user_id, admitted)
     headers = {"X-Request-Id": request.state.request_id}
     if req.background and not req.stream:
@@ -294,13 +298,20 @@ def refuse_while_draining(edge: Any) -> None:
 
 
 async def admit(
-    request: Request, principal: Any, key: str, req: Any, received_s: float, framer: sse.Framer = sse.NATIVE
+    request: Request,
+    principal: Any,
+    key: str,
+    req: Any,
+    received_s: float,
+    framer: sse.Framer = sse.NATIVE,
+    retry_attach: RetryAttach = RetryAttach.OFF,
 ) -> GenerationStream | Outcome:
     """The admission pipeline of one parsed request (``request_model_for``'s shape), shared by
     ``/v1/generations`` and ``/v1/chat/completions``: checks, shedding, tokens, the burst bucket, the
     capacity estimate, the processor's decision. Returns the held stream of an admitted generation
-    (its events written by ``framer``), or the outcome of a same-key retry of existing work; a
-    refusal raises ``ApiError``."""
+    (its events written by ``framer``), or the outcome of a same-key retry of existing work (or of a
+    keyless try the processor attached to an earlier try's generation: ``retry_attach``); a refusal
+    raises ``ApiError``."""
     edge = request.app.state.edge
     settings = edge.settings
     note_stream(request, req.stream)
@@ -373,6 +384,7 @@ async def admit(
         decide_by_ms=settings.decide_by_ms(issued_at_ms),
         reader_id="" if getattr(req, "background", False) else edge.edge_id,
         reply_to=edge.client.reply_to(request_id),
+        retry_attach=retry_attach,
         **_turn_command_fields(turn),
     )
     if turn is not None and turn.new_message is not None:
@@ -425,7 +437,7 @@ async def admit(
             # The core says when to retry; the limit itself is the shared policy's.
             details = replace(details, limit=settings.policy.concurrency_limit)
         raise ApiError(outcome.code, details, extra=extra)
-    if outcome.kind is OutcomeKind.EXISTING:
+    if outcome.kind is OutcomeKind.EXISTING or outcome.attached:
         note_decision(request, AdmissionResult.EXISTING, req.stream, outcome.generation_id)
         return outcome
     assert outcome.kind is OutcomeKind.ADMITTED and outcome.generation_id is not None
@@ -444,6 +456,12 @@ async def admit(
         framer=framer,
         conversation_id=outcome.conversation_id,
         revision=outcome.revision,
+        # Read-your-writes: a turn's end is told once the store shows its answer's revision.
+        before_terminal=(
+            functools.partial(answer_visible, edge.history, edge.metrics, outcome.conversation_id, outcome.revision + 1)
+            if outcome.conversation_id and outcome.revision is not None
+            else None
+        ),
     )
     edge.hub.hold(stream)
     tracing.remember(stream.generation_id, traced)  # its cancel joins the trace (tracing.recall)
@@ -500,6 +518,8 @@ async def await_result(edge: Any, request: Request, stream: GenerationStream) ->
     f = stream.finalized
     if f is None:  # drained past its deadline without a committed terminal state
         raise ApiError(RejectionCode.GENERATION_TIMEOUT, extra={"generation_id": stream.generation_id})
+    if stream.before_terminal is not None:
+        await stream.before_terminal()
     status = stream.terminal_status or f.status
     code = f.code if status is not RequestStatus.FAILED or f.code else RejectionCode.MODEL_BACKEND_ERROR
     if f.status is RequestStatus.ADMISSION_RETRYABLE:
@@ -508,7 +528,10 @@ async def await_result(edge: Any, request: Request, stream: GenerationStream) ->
         # No header has gone out yet: the failure is the HTTP answer itself (seed section 5 table:
         # 502 model_backend_error / 504 generation_timeout; 503 capacity_exhausted when no worker
         # took it in time, retryable with the same key). The generation id lets the client inspect it.
-        extra = {"generation_id": stream.generation_id, "status": f.status.value, "partial": f.partial}
+        extra: dict[str, Any] = {"generation_id": stream.generation_id, "status": f.status.value, "partial": f.partial}
+        if stream.conversation_id is not None and stream.revision is not None:
+            # The turn's answer committed (incomplete) all the same: the next turn sends this.
+            extra.update(conversation_id=stream.conversation_id, next_expected_revision=stream.revision + 1)
         raise ApiError(code, extra=extra)
     view = GenerationView(
         stream.generation_id, stream.user_id, status, stream.model_version, f.input_tokens, f.output_tokens, code, f.partial
@@ -525,7 +548,44 @@ class ClientGone(Exception):
 async def _existing(edge: Any, user_id: str, outcome: Outcome) -> Response:
     """A same-key retry of a settled generation: its state, and its result while retained."""
     view, text = await existing_result(edge, user_id, outcome)
+    await _turn_end_visible(edge, view)
     return JSONResponse(_document(view, text), headers={"Cache-Control": "no-store"})
+
+
+async def _turn_end_visible(edge: Any, view: GenerationView) -> None:
+    """Read-your-writes for a retry of an ended conversation turn, as for its first answer: the
+    retry names ``next_expected_revision`` only once the history store shows it (bounded; the first
+    answer may have been lost before the store caught up, e.g. the processor had just committed it)."""
+    if view.conversation_id and view.revision is not None and view.status in _TURN_ENDED:
+        await answer_visible(edge.history, edge.metrics, view.conversation_id, view.revision + 1)
+
+
+async def _existing_stream(request: Request, user_id: str, outcome: Outcome) -> Response:
+    """A same-key retry of a settled generation that asked for a stream: its events replayed from the
+    start (created, the stored deltas, the terminal event, with the ids the first stream had), the
+    form the request asked for, exactly as ``GET /v1/generations/{id}/events`` would send them."""
+    edge = request.app.state.edge
+    view, text = await existing_result(edge, user_id, outcome)  # result_unavailable past the text's retention
+    await _turn_end_visible(edge, view)
+    headers = {**SSE_HEADERS, "X-Request-Id": request.state.request_id}
+    try:
+        await edge.replay.store()
+    except ApiError:
+        # The stored deltas cannot be read: the settled result itself, as one delta (as
+        # /v1/chat/completions answers), rather than refuse an answer this edge holds.
+        status = RequestStatus.FAILED if view.status is RequestStatus.REJECTED else view.status
+        cid, revision = view.conversation_id, view.revision
+        next_revision = revision + 1 if cid is not None and revision is not None else None
+        frames = sse.created(view.generation_id, RequestStatus.QUEUED.value, cid, revision)
+        if text:
+            frames += sse.delta(view.generation_id, 1, 0, text)
+        frames += sse.terminal(
+            view.generation_id, view.terminal_sequence or 2, status, view.code, view.partial, view.input_tokens,
+            view.output_tokens, cid if next_revision is not None else None, next_revision,
+        )
+        return StreamingResponse(iter([frames]), media_type="text/event-stream", headers=headers)
+    replay = Replay(edge, user_id, view, resume_point(None, None))
+    return StreamingResponse(replay.frames(), media_type="text/event-stream", headers=headers)
 
 
 async def existing_result(edge: Any, user_id: str, outcome: Outcome) -> tuple[GenerationView, str | None]:
@@ -536,6 +596,10 @@ async def existing_result(edge: Any, user_id: str, outcome: Outcome) -> tuple[Ge
     if view is None:
         view = GenerationView(outcome.generation_id, user_id, outcome.status, outcome.model_version or "", code=outcome.code)
     view.status = outcome.status
+    if outcome.conversation_id and outcome.revision is not None:
+        # The processor's answer names the turn (the read model may not have projected it yet): the
+        # retry's answer carries the revision the next turn sends, as the first answer did.
+        view.conversation_id, view.revision = outcome.conversation_id, outcome.revision
     text = None
     if outcome.status is RequestStatus.COMPLETED:
         text = await edge.result(outcome.generation_id, user_id)
@@ -561,6 +625,12 @@ async def get_generation(request: Request, principal: CurrentPrincipal, generati
             doc = _document(view, await edge.replay.text_so_far(generation_id))
             doc["partial"] = True
             return JSONResponse(doc, headers={"Cache-Control": "no-store"})
+    if view.status in (RequestStatus.CANCELLED, RequestStatus.FAILED) and view.partial and text is None:
+        # Ended with part of an answer: that part, from the stored deltas (the result store keeps
+        # only completed texts), up to the terminal event, as GET showed it while it ran.
+        with contextlib.suppress(ApiError):
+            partial_text = await edge.replay.text_so_far(generation_id, view.terminal_sequence or None)
+            return JSONResponse(_document(view, partial_text or None), headers={"Cache-Control": "no-store"})
     if view.status is RequestStatus.COMPLETED and text is None:
         # The content is past its retention (410), or not stored yet (503, retry); the metadata is
         # served with either.
@@ -574,7 +644,11 @@ async def get_generation(request: Request, principal: CurrentPrincipal, generati
 
 @router.get(
     "/{generation_id}/events",
-    summary="Replay a generation's events after Last-Event-ID (or ?after=N), then follow it live (any edge)",
+    summary="Replay a generation's events after Last-Event-ID (else ?after=N), then follow it live (any edge)",
+    description=(
+        "Last-Event-ID wins over ?after=: a reconnecting EventSource repeats the URL it first opened and adds "
+        "the id of the last event it received."
+    ),
     responses={200: {"description": "text/event-stream of generation.* events, each with id: <sequence>",
                      "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **_ERRORS},
 )

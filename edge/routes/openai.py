@@ -2,8 +2,11 @@
 what is served and how), on the pipeline of ``/v1/generations``.
 
 ``Idempotency-Key`` is optional here: the official ``openai`` client never sends one, so without it
-every call is a new logical request (and the client's own retries after a timeout may run twice);
-pass one with ``extra_headers={"Idempotency-Key": ...}`` to make those retries safe.
+every call is a new logical request. Its own retries (after a timeout, a dropped connection, a 5xx)
+mark themselves with ``x-stainless-retry-count``; the processor attaches such a retry to the newest
+running or completed generation of the same request within ``CHATPLANE_OPENAI_RETRY_ATTACH_S``
+(``RetryAttach``, edge/followers.py), so it does not spend a second message. Passing a key with
+``extra_headers={"Idempotency-Key": ...}`` ties tries together by the key instead.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from edge.openai_compat import (
     ChatCompletionRequest,
     cancelled_response,
     completion_document,
+    model_created_s,
     openai_error_response,
 )
 from edge.routes.generations import (
@@ -41,8 +45,9 @@ from edge.routes.generations import (
     request_model_for,
     validated,
 )
+from edge.followers import Follower, FollowerGone
 from edge.streams import GenerationView
-from schemas.codes import RejectionCode, RequestStatus
+from schemas.codes import RejectionCode, RequestStatus, RetryAttach
 from schemas.messages import Outcome
 
 
@@ -152,9 +157,11 @@ async def chat_completions(
     key = await _optional_key(raw_key)
     include_usage = bool(oai.stream_options and oai.stream_options.include_usage)
     framer = ChatCompletionFramer(req.model, req.max_output_tokens, include_usage) if req.stream else sse.NATIVE
-    admitted = await admit(request, principal, key, req, received_s, framer)
+    admitted = await admit(request, principal, key, req, received_s, framer, retry_attach_of(raw_key, request.headers))
     request_id = request.state.request_id
     if isinstance(admitted, Outcome):
+        if admitted.attached and admitted.status is not None and admitted.status.active:
+            return await _follow(request, principal.user_id, admitted, req, include_usage, request_id)
         view, text = await existing_result(edge, principal.user_id, admitted)
         return _settled(view, text, req, include_usage, request_id)
     if req.stream:
@@ -163,6 +170,61 @@ async def chat_completions(
         view, text = await await_result(edge, request, admitted)
     except ClientGone:
         return Response(status_code=499)
+    return _settled(view, text, req, include_usage, request_id)
+
+
+# The official client numbers its tries in this header (0: the first). Only a short run of ASCII
+# digits is read; anything else is taken as a first try (admitted as a new request, as before the
+# header was read), never as a retry that could attach to another call's answer.
+RETRY_COUNT_HEADER = "x-stainless-retry-count"
+RETRY_COUNT_CHARS_MAX = 4
+
+
+def retry_attach_of(raw_key: str | None, headers: Any) -> RetryAttach:
+    """How the processor may match this try with earlier ones: by the client's key (``off``), or, with
+    no key, by fingerprint as a first try or as a retry the client marked as one."""
+    if raw_key is not None:
+        return RetryAttach.OFF
+    count = headers.get(RETRY_COUNT_HEADER, "")
+    if 0 < len(count) <= RETRY_COUNT_CHARS_MAX and count.isascii() and count.isdigit() and int(count) >= 1:
+        return RetryAttach.RETRY
+    return RetryAttach.ORIGINAL
+
+
+class _FollowerResponse(StreamingResponse):
+    """A follower's event stream, which lets go of the follower however the response ends (as
+    ``HeldStreamResponse`` does for a held stream: a generator never started runs no ``finally``)."""
+
+    def __init__(self, follower: Follower, frames: Any, headers: dict[str, str]) -> None:
+        super().__init__(frames, media_type="text/event-stream", headers=headers)
+        self.follower = follower
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.follower.close()
+
+
+async def _follow(request: Request, user_id: str, outcome: Outcome, req: Any, include_usage: bool, request_id: str) -> Response:
+    """A keyless retry the processor attached to a generation still queued or running: follow it and
+    answer as the first try would have (streamed or settled)."""
+    assert outcome.generation_id is not None and outcome.status is not None
+    follower = Follower(request.app.state.edge, user_id, outcome.generation_id)
+    follower.open()
+    if req.stream:
+        framer = ChatCompletionFramer(req.model, req.max_output_tokens, include_usage)
+        headers = {**SSE_HEADERS, "X-Request-Id": request_id}
+        return _FollowerResponse(follower, follower.frames(framer, outcome.status), headers)
+    try:
+        await follower.wait(request)
+        view, text = await follower.settled()
+    except FollowerGone:
+        return Response(status_code=499)
+    finally:
+        follower.close()
+    if view.status is RequestStatus.COMPLETED and text is None:
+        raise ApiError(RejectionCode.RESULT_UNAVAILABLE, extra={"generation_id": view.generation_id})
     return _settled(view, text, req, include_usage, request_id)
 
 
@@ -189,9 +251,10 @@ def _settled(view: GenerationView, text: str | None, req: Any, include_usage: bo
 
 @router.get("/models", summary="The model aliases the caller's tier may use (OpenAI's list shape)")
 async def list_models(request: Request, principal: CurrentPrincipal) -> Response:
-    models = request.app.state.edge.settings.policy.models
+    edge = request.app.state.edge
+    models = edge.settings.policy.models
     data = [
-        {"id": alias, "object": "model", "created": 0, "owned_by": "chatplane"}
+        {"id": alias, "object": "model", "created": model_created_s(edge.catalog, alias, edge.catalog_written_s), "owned_by": "chatplane"}
         for alias, entry in sorted(models.items())
         if principal.tier in entry.tiers
     ]

@@ -11,7 +11,7 @@
 // - an answer that ended in error, was stopped or was cut off offers Regenerate: a new request with a
 //   new key (in a conversation: regenerate: true), never appended to the partial answer;
 // - refusals by code: quota_exhausted shows the reset time and never retries by itself;
-//   rate_limited, concurrency_limited, capacity_exhausted (and quota_service_unavailable) wait the
+//   rate_limited, concurrency_limited, capacity_exhausted (and quota_service_unavailable, store_unavailable) wait the
 //   advised Retry-After with jitter, within a bounded budget, then offer Retry.
 
 import { readEvents } from "./sse.js";
@@ -545,7 +545,7 @@ async function submit(run, { userTurn, text }) {
       if (r.details.reset_at) turn.el.dataset.resetAt = r.details.reset_at;
       return;
     }
-    if (["rate_limited", "concurrency_limited", "capacity_exhausted", "quota_service_unavailable"].includes(r.code)) {
+    if (["rate_limited", "concurrency_limited", "capacity_exhausted", "quota_service_unavailable", "store_unavailable"].includes(r.code)) {
       const waitMs = jitter(r.retryAfterS * 1000);
       if (refusals < LIMITS.refusalRetriesMax && waitedMs + waitMs <= LIMITS.refusalWaitBudgetMs) {
         refusals += 1;
@@ -644,13 +644,16 @@ function onEvent(run, ev) {
       break;
     case "generation.completed":
       run.terminal = "completed";
+      run.nextRevision = d.next_expected_revision;
       break;
     case "generation.cancelled":
       run.terminal = "stopped";
+      run.nextRevision = d.next_expected_revision;
       break;
     case "generation.error":
       run.terminal = "error";
       run.errorCode = d.code;
+      run.nextRevision = d.next_expected_revision;
       break;
     default:
       break;
@@ -709,8 +712,12 @@ async function follow(run) {
 function finish(run, outcome) {
   const { turn } = run;
   paint(turn);
-  if (outcome !== "incomplete" && state.conversation && run.turnRevision !== undefined) {
-    // A turn's terminal event is sent only once its answer committed, at the next revision.
+  if (outcome !== "incomplete" && state.conversation && run.nextRevision !== undefined) {
+    // A turn's terminal event names the revision its next turn sends (its answer's, committed and
+    // stored before the event was sent).
+    state.conversation.revision = Math.max(state.conversation.revision, run.nextRevision);
+  } else if (outcome !== "incomplete" && state.conversation && run.turnRevision !== undefined) {
+    // A replay served by an edge that does not know the turn: its answer commits at the next revision.
     state.conversation.revision = Math.max(state.conversation.revision, run.turnRevision + 1);
   }
   if (outcome === "completed") {

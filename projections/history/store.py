@@ -93,6 +93,7 @@ CONVERSATIONS_PAGE_MAX = 200  # list_conversations' limit
 MESSAGES_READ_MAX = 256  # read_after / read_before's limit; callers page on with the last seq
 CONCURRENT_STATEMENTS_MAX = 32  # statements in flight for one call (a list page's metadata, a delete's rows)
 CURSOR_CHARS_MAX = 512  # a list cursor longer than this is invalid
+BIGINT_MAX = 2**63 - 1  # Cassandra's bigint: a larger value cannot be bound, so it is refused before a query
 # delete_conversation also clears the bucket of ``revision + 1``: the answer of a generation still in
 # flight when the ledger deleted the conversation may have been written there (one generation at a
 # time per conversation, so one seq past the committed revision at most).
@@ -109,6 +110,28 @@ CONVERSATION_DELETED = "deleted"
 class HistoryUnavailable(RuntimeError):
     """Cassandra failed or did not answer in time (the cause is chained); callers answer 503
     ``history_unavailable``. The message names the operation and the error type, never content."""
+
+
+@dataclass(slots=True)
+class BucketBudget:
+    """How many ``messages`` partitions one caller (one HTTP read, one poll) may still query.
+
+    ``read_after`` and ``read_before`` spend one unit per bucket query and stop, returning what they
+    found so far, when none is left; ``ran_out`` then says the result may be short although more
+    rows exist. It bounds the work of any one request whatever its cursor, instead of the store's
+    time bound turning a request that can never succeed into a retryable timeout.
+    """
+
+    buckets_left: int
+    ran_out: bool = False
+
+    def take(self) -> bool:
+        """One bucket query's worth; False (and ``ran_out``) when the budget is spent."""
+        if self.buckets_left <= 0:
+            self.ran_out = True
+            return False
+        self.buckets_left -= 1
+        return True
 
 
 class MessageTooLarge(ValueError):
@@ -226,6 +249,7 @@ def decode_cursor(cursor: str) -> tuple[int, str]:
         or len(value) != 2
         or type(value[0]) is not int
         or value[0] < 0
+        or value[0] > BIGINT_MAX
         or not isinstance(value[1], str)
         or not value[1]
     ):
@@ -393,6 +417,9 @@ class HistoryStore:
         self._statements: _Statements | None = None
         self._prepare_lock = asyncio.Lock()
         self._cluster: Any = None
+        # ``messages`` partition queries made by read_after / read_before since open: how tests and
+        # benchmarks see the work a read did (its bucket count, not its wall-clock time).
+        self.bucket_reads_total = 0
 
     @classmethod
     async def open(
@@ -640,12 +667,15 @@ class HistoryStore:
         params = (int(by_seq), conversation_id, bucket_of(seq), seq)
         await self._run("mark_superseded", st.msg_set_superseded, params)
 
-    async def read_after(self, conversation_id: str, after_seq: int, limit: int, up_to_seq: int) -> list[StoredMessage]:
+    async def read_after(
+        self, conversation_id: str, after_seq: int, limit: int, up_to_seq: int, *, budget: BucketBudget | None = None
+    ) -> list[StoredMessage]:
         """Messages with ``after_seq < seq <= up_to_seq``, ascending, at most ``limit``
         (``<= MESSAGES_READ_MAX``), superseded ones included (the caller filters).
 
         One bucket query at a time, from ``bucket_of(after_seq + 1)`` upwards, each asking only for
-        the rows still wanted, stopping once ``limit`` are found or ``up_to_seq``'s bucket is read.
+        the rows still wanted, stopping once ``limit`` are found, ``up_to_seq``'s bucket is read or
+        ``budget`` (if given) is spent.
         """
         _check_limit(limit, MESSAGES_READ_MAX)
         st = await self._prepared()
@@ -657,7 +687,10 @@ class HistoryStore:
         bucket, last_bucket = bucket_of(low + 1), bucket_of(high)
         async with self._whole_call("read_after"):
             while bucket <= last_bucket and len(out) < limit:
+                if budget is not None and not budget.take():
+                    break
                 wanted = limit - len(out)
+                self.bucket_reads_total += 1
                 rows = await self._run("read_after", st.msg_after, (conversation_id, bucket, low, high, wanted))
                 out.extend(m for m in (_message(conversation_id, r) for r in rows) if m is not None)
                 if rows:
@@ -666,14 +699,16 @@ class HistoryStore:
                     bucket += 1
         return out
 
-    async def read_before(self, conversation_id: str, before_seq: int, limit: int) -> list[StoredMessage]:
+    async def read_before(
+        self, conversation_id: str, before_seq: int, limit: int, *, budget: BucketBudget | None = None
+    ) -> list[StoredMessage]:
         """Messages with ``seq < before_seq``, newest first, at most ``limit`` (``<= MESSAGES_READ_MAX``).
 
         One bucket query at a time, from ``bucket_of(before_seq - 1)`` downwards, each asking only for
         the rows still wanted: ``ceil(limit / MESSAGES_PER_BUCKET) + 1`` queries for a conversation
         whose seqs are dense, whatever its length. Pass at most the conversation's revision + 1: every
         empty bucket above the newest message costs one query (the whole call is bounded by
-        ``timeout_s``).
+        ``timeout_s``, and by ``budget`` when given: a caller taking a cursor from a client passes one).
         """
         _check_limit(limit, MESSAGES_READ_MAX)
         st = await self._prepared()
@@ -684,7 +719,10 @@ class HistoryStore:
         bucket = bucket_of(high - 1)
         async with self._whole_call("read_before"):
             while bucket >= 0 and len(out) < limit:
+                if budget is not None and not budget.take():
+                    break
                 wanted = limit - len(out)
+                self.bucket_reads_total += 1
                 rows = await self._run("read_before", st.msg_before, (conversation_id, bucket, high, wanted))
                 out.extend(m for m in (_message(conversation_id, r) for r in rows) if m is not None)
                 if rows:

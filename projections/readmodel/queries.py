@@ -12,9 +12,8 @@ The whole API (for the edge engineer)::
         # -> GenerationView | None. None: unknown id, or owned by someone else (answer 404 not_found
         #    either way, so ids do not leak). Raises ReadModelUnavailable on any Cassandra error or
         #    when the read did not finish within settings.read_deadline_s (default 1 s): never hangs.
-        #    The edge answers it as a typed 503 with Retry-After: ReadModelUnavailable.retry_after_s
-        #    (the seed's table has no read-side code; QUOTA_SERVICE_UNAVAILABLE's row, 503 retryable,
-        #    is the closest, and its client action "retry later, no storm" fits).
+        #    The edge answers it as a typed 503 STORE_UNAVAILABLE (retryable) with Retry-After:
+        #    ReadModelUnavailable.retry_after_s, apart from admission's QUOTA_SERVICE_UNAVAILABLE.
         # view.status, view.model_version, view.input_tokens, view.output_tokens, timestamps ...
         # view.result is a ResultState: AVAILABLE (view.result_text holds the text), EXPIRED (completed
         #    but past the TTL: 410 result_unavailable for the content, status and usage still served),
@@ -124,6 +123,10 @@ class GenerationView:
     result: ResultState
     result_text: str | None = None
     terminal_sequence: int = 0  # the terminal event's SSE id (0: after the last stored delta)
+    # A conversation turn's conversation and the revision its user message committed at (its answer
+    # commits at the next one); None for a stateless request and for rows projected before them.
+    conversation_id: str | None = None
+    turn_revision: int | None = None
 
     def require_result(self) -> str:
         """The retained text, or ``ResultUnavailable`` (completed, expired) / ``ResultPending``
@@ -184,6 +187,8 @@ def _view(row: Any, stored: StoredResult | None, now_ms: int, pending_ms: int = 
         result=result,
         result_text=text,
         terminal_sequence=getattr(row, "terminal_sequence", None) or 0,
+        conversation_id=getattr(row, "conversation_id", None) or None,
+        turn_revision=getattr(row, "turn_revision", None) or None,
     )
 
 

@@ -66,6 +66,11 @@ GENERATION_COLUMNS: dict[str, str] = {
     "result_expires_at_ms": "bigint",
     "terminal_sequence": "int",  # the terminal event's SSE id (resumable streams; 0/absent: after the last delta)
     "result_stored": "boolean",  # GenerationCompleted.result_stored (False: the worker still held the text)
+    # A conversation turn's (ConversationTurnCommitted): its conversation and the revision its user
+    # message committed at, so that every edge names the revision the next turn sends (null: stateless,
+    # or a row projected before these columns).
+    "conversation_id": "text",
+    "turn_revision": "int",
     "ledger_partition": "int",
     "revision": "bigint",
 }
@@ -92,7 +97,9 @@ def results_ddl(keyspace: str) -> str:
     )
 
 
-ADDED_GENERATION_COLUMNS = {"terminal_sequence": "int", "result_stored": "boolean"}
+ADDED_GENERATION_COLUMNS = {
+    "terminal_sequence": "int", "result_stored": "boolean", "conversation_id": "text", "turn_revision": "int",
+}
 
 
 async def _add_column(session: Any, keyspace: str, table: str, column: str, kind: str) -> None:

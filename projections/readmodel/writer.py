@@ -156,6 +156,9 @@ def _apply(cols: Columns, e: ev.Event) -> bool:
         )
     elif isinstance(e, ev.GenerationReturnedToAdmission):
         cols.update(status=RequestStatus.ADMISSION_RETRYABLE.value, code=e.code.value)
+    elif isinstance(e, ev.ConversationTurnCommitted):
+        # Committed with the admission (re-admission included): the turn a GET and a replay name.
+        cols.update(conversation_id=e.conversation_id, turn_revision=e.revision)
     elif isinstance(e, ev.UsageRecorded):
         cols.update(
             input_tokens=e.input_tokens,

@@ -20,6 +20,7 @@ An invalid file stops the process that reads it with one line naming the file an
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import hashlib
 import importlib.util
@@ -87,7 +88,7 @@ class WeightsMismatch(RuntimeError):
 
 _MODEL_KEYS = {
     "version", "engine", "weights", "weights_sha256", "pool", "tiers", "system_instructions",
-    "context_tokens", "tokenizer",
+    "context_tokens", "tokenizer", "created",
 }
 
 
@@ -106,6 +107,8 @@ class CatalogModel:
     weights: str | None = None  # "package:<pkg>/<file>" or a path (relative to the catalog file)
     weights_sha256: str | None = None
     catalog_dir: Path | None = None
+    # When this alias's pinned version was published (Unix seconds): /v1/models' "created". None: not given.
+    created_s: int | None = None
 
     @property
     def version(self) -> str:
@@ -254,9 +257,13 @@ def _model(source: str, alias: str, raw: Any, catalog_dir: Path | None) -> Catal
         raise _fail(source, f"{where}.tokenizer", f"{tokenizer_raw!r}: one of {', '.join(t.value for t in TokenizerKind)}") from None
     if tokenizer is TokenizerKind.GGUF and engine is not EngineKind.CPU:
         raise _fail(source, f"{where}.tokenizer", "gguf counts with a cpu model's own weights; use estimate")
+    created = raw.get("created")
+    if created is not None and not (isinstance(created, dt.datetime) and created.utcoffset() is not None):
+        raise _fail(source, f"{where}.created", "expected a TOML date-time with its offset, e.g. 2024-11-01T00:00:00Z")
     return CatalogModel(
         alias=alias, version_name=version, engine=engine, pool=pool, tiers=tiers, system_instructions=instructions,
         context_tokens=context, tokenizer=tokenizer, weights=weights, weights_sha256=sha, catalog_dir=catalog_dir,
+        created_s=int(created.timestamp()) if created is not None else None,
     )
 
 

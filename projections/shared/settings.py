@@ -206,6 +206,10 @@ def policy_from_env() -> Policy:
             "CHATPLANE_DEDUP_RECORDS_PER_USER_MAX", base.dedup_records_per_user_max, ge=1
         ),
         result_ttl_ms=env_value("CHATPLANE_RESULT_TTL_MS", base.result_ttl_ms, ge=1),
+        # Seconds, as the client's timeouts are; 0 turns the matching off (docs/edge.md).
+        openai_retry_attach_ms=1000 * env_value(
+            "CHATPLANE_OPENAI_RETRY_ATTACH_S", base.openai_retry_attach_ms // 1000, ge=0, le=OPENAI_RETRY_ATTACH_S_MAX
+        ),
         max_output_tokens_max=env_value("CHATPLANE_MAX_OUTPUT_TOKENS_MAX", base.max_output_tokens_max, ge=1),
         # Token budgets per tier and window (0 = off, the default: docs/core.md, "Token budget").
         token_budget_by_tier={
@@ -229,6 +233,9 @@ def policy_from_env() -> Policy:
     )
 
 
+# The attach window of keyless retries is at most an hour: the result of a completed generation is
+# kept for ``CHATPLANE_RESULT_TTL_MS`` (1 h by default), and a retry comes seconds after its first try.
+OPENAI_RETRY_ATTACH_S_MAX = 3600
 # The per-account risk setting names at most this many accounts (a per-key map, bounded).
 ACCOUNT_RISK_CLASSES_MAX = 10_000
 _RISK_NAME = re.compile(r"^[a-z0-9_]{1,32}$")

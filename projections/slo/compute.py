@@ -18,7 +18,7 @@ The definitions, each in one place below and documented in docs/slo.md:
   ``idempotency_keys_exhausted``), answers about a request's existing state (conflicts, in progress,
   expired result) and same-key retries answered with existing work. The service's own refusals
   (``capacity_exhausted`` including shedding and drain, ``quota_service_unavailable`` including
-  decision timeouts, ``history_unavailable``) and requests with no typed answer are failures.
+  decision timeouts, ``history_unavailable``, ``store_unavailable``, ``internal_error``) and requests with no typed answer are failures.
 - **Time to first text token** (p95 < 2 s): nearest-rank p95 over admitted generations that produced
   text, of the edge-side time (POST received -> first text delta forwarded) when the edge recorded
   one, else the worker-side ``UsageRecorded.ttft_ms`` (acceptance -> first token; shorter: no
@@ -77,7 +77,9 @@ REQUEST_STATE_CODES = frozenset(
      "stale_attempt"}
 )
 # The service's own refusals: availability failures.
-SERVICE_CODES = frozenset({"capacity_exhausted", "quota_service_unavailable", "history_unavailable"})
+SERVICE_CODES = frozenset(
+    {"capacity_exhausted", "quota_service_unavailable", "history_unavailable", "store_unavailable", "internal_error"}
+)
 # Failures of admitted work (a non-streaming answer that failed after admission): the generation's end.
 GENERATION_CODES = frozenset({"model_backend_error", "generation_timeout", "output_refused"})
 

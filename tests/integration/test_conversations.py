@@ -343,3 +343,195 @@ async def test_with_the_history_store_down_conversations_answer_503_and_stateles
             assert stateless.status_code == 200 and stateless.json()["status"] == "completed", stateless.text
     finally:
         worker.stop()
+
+
+async def _stream_turn(stack: Stack, user: str, cid: str, revision: int, text: str) -> list[tuple[str, dict[str, Any]]]:
+    r = await stack.turn(user, cid, revision, text, stream=True)
+    assert r.status_code == 200, r.text
+    return _sse(r.text)
+
+
+async def test_twenty_turns_each_sent_with_the_revision_the_last_answer_gave_and_read_back_at_once(stack):
+    """A client never adds to a revision nor sleeps: each turn sends exactly the revision the previous
+    answer named (JSON or the stream's terminal event), and a read right after the answer shows it."""
+    user = f"u-{uuid.uuid4().hex[:8]}"
+    conv = await stack.create(user)
+    cid, revision, updated_at = conv["id"], conv["revision"], conv["updated_at"]
+    for i in range(20):
+        if i % 2:
+            frames = await _stream_turn(stack, user, cid, revision, f"question {i}")
+            name, end = frames[-1]
+            assert name == "generation.completed", frames
+            gid = frames[0][1]["generation_id"]
+        else:
+            r = await stack.turn(user, cid, revision, f"question {i}")
+            assert r.status_code == 200, r.text  # never a 409 for the revision the last answer gave
+            end, gid = r.json(), r.json()["id"]
+            assert end["status"] == "completed" and end["revision"] == revision + 1  # the user turn's, as before
+        assert end["conversation_id"] == cid and end["next_expected_revision"] == revision + 2, end
+        revision = end["next_expected_revision"]
+        # Immediately, without polling: the conversation, its newest messages and the generation.
+        got = await stack.http.get(f"/v1/conversations/{cid}", headers=stack.edge.headers(user))
+        assert got.status_code == 200 and got.json()["revision"] == revision, (i, got.text)
+        assert got.json()["updated_at"] > updated_at, (i, got.json(), updated_at)  # moves with each turn
+        updated_at = got.json()["updated_at"]
+        newest = (await stack.messages(user, cid, order="desc", limit=2)).json()
+        assert [(m["seq"], m["role"], m["status"]) for m in newest["data"]] == [
+            (revision, "assistant", "completed"), (revision - 1, "user", "completed"),
+        ], (i, newest)
+        generation = (await stack.http.get(f"/v1/generations/{gid}", headers=stack.edge.headers(user))).json()
+        assert generation["next_expected_revision"] == revision, generation
+    assert revision == 40
+
+
+def _extreme_values(schema: dict[str, Any]) -> list[Any]:
+    """The edges of a query parameter's schema and the values past them, plus values that are no
+    number or no member at all: every one must get a typed answer."""
+    schema = next((s for s in schema.get("anyOf", []) if s.get("type") != "null"), schema)
+    values: list[Any] = ["", "-1", "1e400", "NaN", "x" * 4096]
+    if schema.get("type") == "integer":
+        low, high = schema.get("minimum"), schema.get("maximum")
+        values += [0, -1, 1, 2**31, 9_999_999_999, 2**63 - 1, 2**63, 10**30, -(10**30)]
+        values += [low, low - 1] if low is not None else []
+        values += [high, high + 1] if high is not None else []
+    if schema.get("type") == "string":
+        values += schema.get("enum", []) + ["asc", "desc", "active", "all", "DESC"]
+        if "maxLength" in schema:
+            values += ["y" * schema["maxLength"], "y" * (schema["maxLength"] + 1)]
+        from projections.history.store import encode_cursor
+
+        values += [encode_cursor(2**63, "conv_x"), encode_cursor(10**30, "conv_x"), encode_cursor(0, "conv_x")]
+    return values
+
+
+async def test_extreme_query_values_of_every_route_get_a_typed_answer_and_a_bounded_read(stack):
+    """Every query parameter of every route in the served OpenAPI document, at the edges of its range
+    and past them: a typed answer, never a 5xx nor a retryable 503, and no messages read touching more
+    than ``MESSAGES_BUCKETS_PER_READ_MAX`` buckets (counted by the store, not timed)."""
+    from edge.routes.conversations import MESSAGES_BUCKETS_PER_READ_MAX
+    from projections.history.store import MESSAGES_PER_BUCKET
+
+    user = f"u-{uuid.uuid4().hex[:8]}"
+    cid = (await stack.create(user))["id"]
+    revision = 0
+    for i in range(3):
+        r = await stack.turn(user, cid, revision, f"question {i}")
+        assert r.status_code == 200, r.text
+        revision, gid = r.json()["next_expected_revision"], r.json()["id"]
+    paths = {"conversation_id": cid, "generation_id": gid}
+    store = stack.edge.app.state.edge.history._store
+    spec = (await stack.http.get("/openapi.json")).json()
+    cases: list[tuple[str, str, dict[str, Any]]] = []
+    for path, operations in spec["paths"].items():
+        for method, op in operations.items():
+            query = [p for p in op.get("parameters", []) if p["in"] == "query"]
+            for p in query:
+                cases += [(method, path, {p["name"]: v}) for v in _extreme_values(p["schema"])]
+    # The reported one, and cursors combined with an order.
+    messages = "/v1/conversations/{conversation_id}/messages"
+    cases += [("get", messages, {"before": 9_999_999_999, "order": "desc"}), ("get", messages, {"after": 9_999_999_999, "order": "asc"}),
+              ("get", messages, {"before": 10**30, "order": "desc", "limit": 200, "branch": "all"}),
+              ("get", messages, {"before": 2**63, "after": 1})]
+    assert {path for _, path, _ in cases} >= {messages, "/v1/conversations", "/v1/generations/{generation_id}/events"}
+    touched_most = 0
+    for method, path, params in cases:
+        before = store.bucket_reads_total
+        r = await stack.http.request(method.upper(), path.format(**paths), params=params, headers=stack.edge.headers(user))
+        touched = store.bucket_reads_total - before
+        assert touched <= MESSAGES_BUCKETS_PER_READ_MAX, (path, params, touched)
+        touched_most = max(touched_most, touched)
+        assert r.status_code < 500, (path, params, r.status_code, r.text)
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert err["code"] == "invalid_request" and err["retryable"] is False, (path, params, r.text)
+            assert err["details"].get("field"), (path, params, r.text)
+    assert touched_most >= 1  # the reads were counted (the messages route read its buckets)
+    # Past the end, a cursor reads what exists: the newest page, from the one bucket that holds it.
+    before = store.bucket_reads_total
+    page = (await stack.messages(user, cid, before=9_999_999_999, order="desc")).json()
+    assert [m["seq"] for m in page["data"]] == list(range(revision, 0, -1)) and page["next_after"] is None, page
+    assert store.bucket_reads_total - before <= 1 + revision // MESSAGES_PER_BUCKET
+    page = (await stack.messages(user, cid, after=9_999_999_999)).json()
+    assert page["data"] == [] and page["next_after"] is None
+
+
+@pytest.fixture
+async def other_edge(stack, kafka_bootstrap, topology, cassandra_hosts, cassandra_port, fresh_keyspace, tmp_path):
+    """A second in-process edge replica on its own inbox partition, and the read-model projection it
+    reads generations from (it admitted none of them: nothing of them is in its memory)."""
+    cass_env = {"CHATPLANE_CASSANDRA_HOSTS": ",".join(cassandra_hosts), "CHATPLANE_CASSANDRA_PORT": str(cassandra_port),
+                "CHATPLANE_CASSANDRA_KEYSPACE": fresh_keyspace}
+    projection = ProjectionProcess(kafka_bootstrap, topology.namespace, tmp_path, **cass_env)
+    projection.start()
+    deadline = time.monotonic() + WAIT_S
+    while "readmodel: started" not in projection.log_text():
+        assert projection.alive() and time.monotonic() < deadline, projection.log_text()
+        await asyncio.sleep(POLL_S)
+    try:
+        settings = edge_settings(kafka_bootstrap, topology, read_model=True, bucket_capacity_tokens=100, inbox_partition=2)
+        async with serve_edge(settings) as edge, edge.http() as http:
+            yield edge, http
+    finally:
+        projection.stop()
+
+
+async def test_another_edge_names_the_next_revision_in_a_same_key_retry_a_get_and_a_replay(stack, other_edge):
+    """The phone's retry lands on another edge replica: its answer (JSON, or the replayed stream's
+    terminal event), that edge's GET and its replay name the turn's conversation and the revision the
+    next turn sends, exactly as the first answer did; the next turn sent with it is admitted there."""
+    edge_b, http_b = other_edge
+    user = f"u-{uuid.uuid4().hex[:8]}"
+    cid = (await stack.create(user))["id"]
+
+    async def settled_on_b(gid: str) -> dict[str, Any]:
+        # Polled: edge B knows the generation only once the read model projected its end.
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            r = await http_b.get(f"/v1/generations/{gid}", headers=edge_b.headers(user))
+            if r.status_code == 200 and r.json()["status"] == "completed":
+                return r.json()
+            assert time.monotonic() < deadline, r.text
+            await asyncio.sleep(POLL_S)
+
+    # A JSON turn on edge A, retried with its key on edge B.
+    key = uuid.uuid4().hex
+    first = await stack.turn(user, cid, 0, "question 0", key=key)
+    assert first.status_code == 200, first.text
+    first_doc = first.json()
+    assert (first_doc["conversation_id"], first_doc["revision"], first_doc["next_expected_revision"]) == (cid, 1, 2)
+    got = await settled_on_b(first_doc["id"])
+    assert (got["conversation_id"], got["revision"], got["next_expected_revision"]) == (cid, 1, 2), got
+    body = {"model": MODEL, "stream": False, "max_output_tokens": 16, "conversation_id": cid, "expected_revision": 0,
+            "messages": [{"role": "user", "content": "question 0"}]}
+    retry = await http_b.post("/v1/generations", json=body, headers=edge_b.headers(user, key))
+    assert retry.status_code == 200, retry.text
+    again = retry.json()
+    assert again["id"] == first_doc["id"] and again["output"] == first_doc["output"]
+    assert {k: again[k] for k in ("conversation_id", "revision", "next_expected_revision")} == {
+        k: first_doc[k] for k in ("conversation_id", "revision", "next_expected_revision")
+    }, again
+
+    # A streamed turn on edge A, sent with what the retry gave, retried as a stream on edge B.
+    key = uuid.uuid4().hex
+    r = await stack.turn(user, cid, again["next_expected_revision"], "question 1", key=key, stream=True)
+    assert r.status_code == 200, r.text
+    original = _sse(r.text)
+    gid = original[0][1]["generation_id"]
+    assert original[-1][0] == "generation.completed" and original[-1][1]["next_expected_revision"] == 4, original[-1]
+    await settled_on_b(gid)
+    stream_body = {**body, "stream": True, "expected_revision": 2, "messages": [{"role": "user", "content": "question 1"}]}
+    replayed = await http_b.post("/v1/generations", json=stream_body, headers=edge_b.headers(user, key))
+    assert replayed.status_code == 200 and replayed.headers["content-type"].startswith("text/event-stream"), replayed.text
+    replayed_events = _sse(replayed.text)
+    followed = await http_b.get(f"/v1/generations/{gid}/events", headers=edge_b.headers(user))
+    assert followed.status_code == 200, followed.text
+    for events in (replayed_events, _sse(followed.text)):
+        assert [name for name, _ in events] == [name for name, _ in original]
+        (name, end), (_, created) = events[-1], events[0]
+        assert (end["conversation_id"], end["next_expected_revision"]) == (cid, 4), end
+        assert (created["conversation_id"], created["revision"]) == (cid, 3), created
+
+    # The next turn, on edge B, sent with exactly that revision: admitted, no 409.
+    r = await http_b.post("/v1/generations", json={**body, "expected_revision": end["next_expected_revision"]},
+                          headers=edge_b.headers(user, uuid.uuid4().hex))
+    assert r.status_code == 200 and r.json()["next_expected_revision"] == 6, r.text

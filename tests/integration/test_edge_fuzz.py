@@ -29,6 +29,11 @@ pytestmark = pytest.mark.integration
 EXAMPLES_PER_OPERATION = 60
 ADMISSION_UP_WAIT_S = 30.0
 CODES = {c.value: c for c in RejectionCode}
+# The 503s a healthy edge may answer under fuzzing; a 500 internal_error is a bug and fails the test.
+TYPED_503 = ("capacity_exhausted", "quota_service_unavailable", "store_unavailable")
+# A request head past CHATPLANE_EDGE_REQUEST_HEAD_BYTES_MAX's default, and a token expiry no edge accepts.
+HUGE_HEADER_BYTES = 200_000
+FAR_EXPIRY_S = 10**30
 
 
 def header(response: object, name: str) -> str:
@@ -57,7 +62,7 @@ def check_openai(response: object, label: str) -> None:
             assert header(response, "x-should-retry") == ("true" if spec.retryable else "false"), (label, err)
         if status in (429, 503):
             assert int(header(response, "retry-after")) >= 1 and int(header(response, "retry-after-ms")) >= 0, (label, err)
-        assert status < 500 or err["code"] in ("capacity_exhausted", "quota_service_unavailable"), (label, status, err)
+        assert status < 500 or err["code"] in TYPED_503, (label, status, err)
 
 
 def check(response: object, label: str) -> None:
@@ -74,7 +79,7 @@ def check(response: object, label: str) -> None:
         assert status == spec.http_status or (status == 405 and code is RejectionCode.INVALID_REQUEST), (label, status, err)
         assert err["retryable"] is spec.retryable and err["action"] == spec.action.value, (label, err)
         assert isinstance(err["request_id"], str) and err["request_id"] and isinstance(err["details"], dict), (label, err)
-        typed_503 = status == 503 and code in (RejectionCode.CAPACITY_EXHAUSTED, RejectionCode.QUOTA_SERVICE_UNAVAILABLE)
+        typed_503 = status == 503 and code.value in TYPED_503
         if status in (429, 503):
             assert int(header(response, "retry-after")) >= 1, (label, err)
     assert status < 500 or typed_503, (label, status, response.text[:300])
@@ -136,6 +141,53 @@ def fuzz(url: str, headers_for: Callable[[str], dict[str, str]]) -> dict[str, se
     return statuses
 
 
+def bad_inputs(url: str, headers_for: Callable[[str], dict[str, str]]) -> int:
+    """The bad inputs of the contract, sent to every operation of the served document: a body one
+    byte over the cap (declared, and chunked), a trailing slash with a hostile Host, a 200 KB header,
+    a token whose expiry lies centuries ahead. Each answer is typed; returns how many were sent."""
+    import jwt
+
+    from edge.settings import EdgeSettings
+
+    doc = httpx.get(f"{url}/openapi.json").json()
+    cap = EdgeSettings(dev_mode=True).request_body_bytes_max
+    sent = 0
+
+    def pieces():
+        for _ in range(cap // 4096 + 1):
+            yield b"x" * 4096
+
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for path, ops in doc["paths"].items():
+            concrete = path.replace("{generation_id}", "g1").replace("{conversation_id}", "c1")
+            for method in ops:
+                headers = {**headers_for(f"bad-{method}-{path}"), "Idempotency-Key": f"bad-{uuid.uuid4().hex}", "Content-Type": "application/json"}
+                label = f"{method.upper()} {path}"
+                for content in (b"x" * (cap + 1), pieces()):
+                    r = http.request(method.upper(), concrete, content=content, headers=headers)
+                    check(r, f"{label} oversized body")
+                    assert r.status_code == 400, (label, r.status_code, r.text[:200])
+                    err = r.json()["error"]
+                    assert err.get("param", (err.get("details") or {}).get("field")) == "body", (label, err)
+                    sent += 1
+                r = http.request(method.upper(), concrete + "/", headers={**headers, "Host": "evil.example"})
+                # Unrouted, so in the native shape on every path: a typed 404, never a redirect.
+                assert r.status_code == 404 and "location" not in r.headers, (label, r.status_code, r.headers)
+                assert r.json()["error"]["code"] == "not_found", (label, r.text[:200])
+                r = http.request(method.upper(), concrete, headers={**headers, "X-Pad": "a" * HUGE_HEADER_BYTES})
+                assert r.status_code == 400 and r.json()["error"]["details"]["field"] == "headers", (label, r.text[:200])
+                sent += 2
+                if path.startswith("/v1/"):
+                    settings = EdgeSettings(dev_mode=True)
+                    far = jwt.encode({"sub": "bad-far", "iss": settings.jwt_issuer, "aud": settings.jwt_audience, "exp": FAR_EXPIRY_S},
+                                     settings.jwt_secret, algorithm="HS256")
+                    r = http.request(method.upper(), concrete, headers={**headers, "Authorization": f"Bearer {far}"})
+                    check(r, f"{label} far expiry")
+                    assert r.status_code == 401, (label, r.status_code, r.text[:200])
+                    sent += 1
+    return sent
+
+
 async def test_fuzz_from_openapi_no_5xx_and_every_error_typed(kafka_bootstrap, topology, running_processor, edge_process_factory):
     edge = edge_process_factory(CHATPLANE_EDGE_BUCKET_CAPACITY="100000")
     async with FakeSimWorker(kafka_bootstrap, topology, tokens=["a", "\u00e9"], token_interval_s=0.0):
@@ -147,6 +199,8 @@ async def test_fuzz_from_openapi_no_5xx_and_every_error_typed(kafka_bootstrap, t
                 assert asyncio.get_running_loop().time() < deadline, "admission did not come up"
                 await asyncio.sleep(0.1)
         statuses = await asyncio.to_thread(fuzz, edge.url, edge.headers)
+        bad = await asyncio.to_thread(bad_inputs, edge.url, edge.headers)
+        assert bad >= 60, bad
         async with edge.http() as http:
             assert (await http.get("/healthz")).status_code == 200
             metrics = (await http.get("/metrics")).text

@@ -16,7 +16,7 @@ from projections.shared.topic_reader import read_topic
 from schemas.codes import RequestStatus
 from schemas.events import CancelRequested, GenerationAdmitted
 from schemas.wire import decode_ledger_entry
-from tests.integration.test_edge_harness import FakeSimWorker, edge_settings, serve_edge
+from tests.integration.test_edge_harness import FakeSimWorker, edge_settings, serve_edge, sse_events
 
 pytestmark = pytest.mark.integration
 
@@ -55,11 +55,18 @@ async def test_opening_story_stream_cancel_retry(kafka_bootstrap, topology, runn
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
         assert events[-1][1]["partial"] is True
 
-        # A retry with the same key: the same generation, its state, no new message spent.
+        # A retry with the same key: the same generation, its state, no new message spent; in the form
+        # the request asks for (a stream: its events replayed, ending in the same terminal event).
         retry = await http.post("/v1/generations", json=BODY, headers=e.headers(user, key))
         assert retry.status_code == 200, retry.text
-        doc = retry.json()
-        assert doc["id"] == gid and doc["status"] == RequestStatus.CANCELLED.value
+        assert retry.headers["content-type"].startswith("text/event-stream"), retry.text
+        replayed = sse_events(retry.text)
+        assert {d["generation_id"] for _, _, d in replayed} == {gid}
+        assert replayed[0][1] == "generation.created" and replayed[-1][1] == "generation.cancelled", replayed
+        assert replayed[-1][2]["partial"] is True
+        as_json = await http.post("/v1/generations", json={**BODY, "stream": False}, headers=e.headers(user, key))
+        doc = as_json.json()
+        assert doc["id"] == gid and doc["status"] == RequestStatus.CANCELLED.value, as_json.text
         got = await http.get(f"/v1/generations/{gid}", headers=e.headers(user))
         assert got.status_code == 200 and got.json()["status"] == "cancelled"
         # Others get 404 with no hint that the id exists.

@@ -184,6 +184,30 @@ async def test_messages_span_buckets_and_reads_are_bounded(store, settings, cass
         await store.read_before(cid, n + 1, MESSAGES_READ_MAX + 1)
 
 
+async def test_a_bucket_budget_bounds_a_read_whatever_its_cursor(store):
+    from projections.history.store import BucketBudget
+
+    cid = new_id("c")
+    n = 2 * B + 5
+    await write_all(store, [message(cid, s) for s in range(1, n + 1)])
+    # A cursor far past the end: one bucket query, nothing found, and the budget says it ran out
+    # (without one, every empty bucket down to the messages would be queried).
+    before = store.bucket_reads_total
+    budget = BucketBudget(1)
+    assert await store.read_before(cid, 10**12, 10, budget=budget) == [] and budget.ran_out
+    assert store.bucket_reads_total - before == 1
+    # Within the messages: the read stops short at the budget, and the caller pages on from it.
+    budget = BucketBudget(2)
+    got = await store.read_before(cid, n + 1, MESSAGES_READ_MAX, budget=budget)
+    assert [m.seq for m in got] == list(range(n, B - 1, -1)) and budget.ran_out  # buckets 2 and 1
+    budget = BucketBudget(1)
+    got = await store.read_after(cid, 0, MESSAGES_READ_MAX, n, budget=budget)
+    assert [m.seq for m in got] == list(range(1, B)) and budget.ran_out  # bucket 0 only
+    budget = BucketBudget(5)
+    got = await store.read_after(cid, 0, MESSAGES_READ_MAX, n, budget=budget)
+    assert len(got) == n and not budget.ran_out and budget.buckets_left == 2
+
+
 async def test_message_status_supersede_and_partial_rows(store):
     cid = new_id("c")
     await store.write_message(message(cid, 1))

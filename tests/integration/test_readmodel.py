@@ -234,3 +234,36 @@ async def test_usage_report_totals_equal_ledger_sums(running_processor, client, 
     assert sum(v["generations"] for v in report["by_hour"].values()) == total["generations"]
     assert report["undecodable"] == 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_a_table_created_before_columns_were_added_gains_them_and_its_old_rows_still_read(cassandra_session, rm_settings):
+    """An existing keyspace keeps its table: ``ensure_schema`` adds the columns added since (a turn's
+    conversation and revision among them), and a row written before them reads as before, without a
+    turn."""
+    from projections.readmodel.schema import ADDED_GENERATION_COLUMNS, GENERATION_COLUMNS
+    from schemas.topics import GENERATIONS_TABLE
+
+    ks = rm_settings.keyspace
+    old_columns = {c: t for c, t in GENERATION_COLUMNS.items() if c not in ADDED_GENERATION_COLUMNS}
+    cols = ", ".join(f"{c} {t}" for c, t in old_columns.items())
+    await execute(cassandra_session, f"CREATE TABLE {ks}.{GENERATIONS_TABLE} (generation_id text PRIMARY KEY, {cols})", timeout_s=60)
+    await execute(
+        cassandra_session,
+        f"INSERT INTO {ks}.{GENERATIONS_TABLE} (generation_id, user_id, status, epoch, revision) VALUES (%s, %s, %s, %s, %s)",
+        ("gen_old", "u-old", "cancelled", 1, 7),
+    )
+    await ensure_schema(cassandra_session, rm_settings, create_keyspace=False)
+    rows = await execute(
+        cassandra_session,
+        "SELECT column_name FROM system_schema.columns WHERE keyspace_name = %s AND table_name = %s",
+        (ks, GENERATIONS_TABLE),
+    )
+    assert set(GENERATION_COLUMNS) <= {r.column_name for r in rows}
+    await ensure_schema(cassandra_session, rm_settings, create_keyspace=False)  # again: nothing to add, no error
+    reader = await GenerationReader.open(rm_settings)
+    try:
+        view = await reader.get("gen_old", owner="u-old", include_result=False)
+    finally:
+        await reader.close()
+    assert view is not None and view.status is RequestStatus.CANCELLED
+    assert (view.conversation_id, view.turn_revision) == (None, None)

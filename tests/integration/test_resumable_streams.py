@@ -176,6 +176,56 @@ async def test_a_finished_generation_replays_whole_then_410_and_never_for_anothe
         assert expired.status_code == 410 and expired.json()["error"]["code"] == "result_unavailable", expired.text
 
 
+async def test_a_cancelled_generation_s_get_shows_the_partial_text_it_streamed(stack):
+    (first, second), _ = stack
+    user = f"u-{uuid.uuid4().hex[:8]}"
+    async with first.http() as h1, second.http() as h2:
+        seen = ""
+        async with h1.stream("POST", "/v1/generations", headers=first.headers(user, uuid.uuid4().hex), json=_body(200)) as r:
+            assert r.status_code == 200, await r.aread()
+            cancelled = False
+            async for chunk in r.aiter_text():
+                seen += chunk
+                events = sse_events(seen)
+                if not cancelled and sum(1 for _, n, _ in events if n == "generation.text.delta") >= 3:
+                    gid = events[0][2]["generation_id"]
+                    c = await h2.post(f"/v1/generations/{gid}/cancel", headers=second.headers(user))
+                    assert c.status_code in (200, 202), c.text
+                    cancelled = True
+        events = sse_events(seen)
+        assert events[-1][1] == "generation.cancelled" and events[-1][2]["partial"] is True, events[-3:]
+        streamed = "".join(d["delta"] for _, n, d in events if n == "generation.text.delta")
+        assert streamed
+        # On the edge that held it (its memory) and on the other (the read model), once settled.
+        for http, edge in ((h1, first), (h2, second)):
+            deadline = time.monotonic() + WAIT_S
+            while (doc := (await http.get(f"/v1/generations/{gid}", headers=edge.headers(user))).json())["status"] != "cancelled":
+                assert time.monotonic() < deadline, doc
+                await asyncio.sleep(0.1)
+            assert doc["partial"] is True and doc["output"] == [{"type": "text", "text": streamed}], doc
+
+
+async def test_a_same_key_repeat_of_a_finished_stream_is_answered_as_a_stream(stack):
+    (first, second), _ = stack
+    user, key = f"u-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    async with first.http() as h1, second.http() as h2:
+        r = await h1.post("/v1/generations", headers=first.headers(user, key), json=_body(12))
+        assert r.status_code == 200, r.text
+        original = sse_events(r.text)
+        assert original[-1][1] == "generation.completed"
+        # The same request again, on the same edge and on another: the events it asked for, replayed.
+        for http, edge in ((h1, first), (h2, second)):
+            again = await http.post("/v1/generations", headers=edge.headers(user, key), json=_body(12))
+            assert again.status_code == 200 and again.headers["content-type"].startswith("text/event-stream"), again.text
+            replayed = sse_events(again.text)
+            assert [(i, n) for i, n, _ in replayed] == [(i, n) for i, n, _ in original]
+            _check_whole(replayed, "".join(d["delta"] for _, n, d in original if n == "generation.text.delta"))
+            assert replayed[-1][2]["usage"] == original[-1][2]["usage"]
+        # Asked for JSON, the same key still answers the document.
+        doc = await h2.post("/v1/generations", headers=second.headers(user, key), json={**_body(12), "stream": False})
+        assert doc.status_code == 200 and doc.json()["status"] == "completed", doc.text
+
+
 # Fast tokens, one delta each (about 0.5 MB of events for 4,000 tokens: more than the kernel's socket
 # buffers take from a reader that stops); edge 2 buffers 8 KiB a stream.
 @pytest.mark.parametrize(

@@ -255,6 +255,65 @@ def test_a_stateless_request_is_unchanged_by_conversations():
     assert types(d) == ["GenerationAdmitted"] and d.outcome.conversation_id is None
 
 
+def test_a_same_key_retry_of_a_turn_is_answered_with_its_conversation_and_revision_as_the_first_answer_was():
+    """The phone retries a turn it never heard the end of: the retry names the turn's conversation and
+    the revision its user message committed at (the next turn sends that + 1), whatever the turn's
+    end, later turns included; a stateless retry names none."""
+    L = Ledger()
+    L.create_conversation()
+    g = _answered(L, "t1", 0)
+    first = L.turn("t1", 0)
+    assert first.events == () and first.outcome.kind is OutcomeKind.EXISTING and first.outcome.generation_id == g
+    assert (first.outcome.status, first.outcome.conversation_id, first.outcome.revision) == (RequestStatus.COMPLETED, "conv_a", 1)
+    # A turn still running: the retry is told to follow it, with the same fields.
+    g2 = _turn(L, "t2", 2)
+    running = L.turn("t2", 2).outcome
+    assert running.code is RejectionCode.GENERATION_IN_PROGRESS and running.same_request
+    assert (running.generation_id, running.conversation_id, running.revision) == (g2, "conv_a", 3)
+    # Cancelled in its queue: its (incomplete) answer committed at 4 all the same.
+    L.cancel(g2)
+    cancelled = L.turn("t2", 2).outcome
+    assert (cancelled.kind, cancelled.status, cancelled.conversation_id, cancelled.revision) == (
+        OutcomeKind.EXISTING, RequestStatus.CANCELLED, "conv_a", 3,
+    )
+    # A regeneration's answer replaces the answer at its revision, and its retry says so.
+    r = L.turn("r1", 4, regenerate=True).outcome.generation_id
+    L.accept(r)
+    L.report(r, answer_spooled=True)
+    L.commit_answer(r)
+    regenerated = L.turn("r1", 4, regenerate=True).outcome
+    assert (regenerated.status, regenerated.conversation_id, regenerated.revision) == (RequestStatus.COMPLETED, "conv_a", 4)
+    # The first turn's retry, long after: still its own revision, not the conversation's.
+    assert L.turn("t1", 0).outcome.revision == 1
+    # Past the result's retention: result_unavailable, still naming the turn.
+    L.advance(L.policy.result_ttl_ms)
+    gone = L.turn("t1", 0).outcome
+    assert gone.code is RejectionCode.RESULT_UNAVAILABLE and (gone.conversation_id, gone.revision) == ("conv_a", 1)
+    plain = L.submit("plain")
+    L.accept(plain.outcome.generation_id)
+    L.report(plain.outcome.generation_id)
+    again = L.submit("plain").outcome
+    assert again.kind is OutcomeKind.EXISTING and (again.conversation_id, again.revision) == (None, None)
+
+
+def test_a_record_stored_before_turns_kept_their_revision_is_read_and_answered_without_one():
+    from control_plane.codec import dump_aggregate, load_aggregate
+    import orjson
+
+    L = Ledger()
+    L.create_conversation()
+    g = _answered(L, "t1", 0)
+    doc = orjson.loads(dump_aggregate(L.aggregate))
+    for record in doc["ledger"]["requests"].values():
+        del record["turn_revision"]  # as an older process stored it
+    old = load_aggregate(orjson.dumps(doc))
+    assert old.ledger.record_of(g).turn_revision == 0 and old.ledger.record_of(g).conversation_id == "conv_a"
+    L.aggregate = old
+    retry = L.turn("t1", 0).outcome
+    assert retry.kind is OutcomeKind.EXISTING and retry.generation_id == g
+    assert (retry.conversation_id, retry.revision) == (None, None)  # unknown, so not guessed
+
+
 def test_the_codec_round_trips_conversations_and_reads_older_values():
     from control_plane.codec import dump_aggregate, load_aggregate
 

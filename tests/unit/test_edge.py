@@ -879,3 +879,108 @@ async def test_non_streaming_failure_is_the_typed_http_answer(status, code, expe
     err = assert_typed(r, expected)
     assert err["generation_id"] == "g1" and err["status"] == status.value
     assert ("retry-after" in r.headers) == (expected is RejectionCode.CAPACITY_EXHAUSTED)
+
+
+# --- resuming, turn ends, list cursors -------------------------------------------------------------
+
+
+def test_last_event_id_wins_over_after_as_an_event_source_reconnects_with_both():
+    from edge.replay import resume_point
+
+    # A reconnecting EventSource repeats the URL it first opened (?after=2) and adds the last id it
+    # received: that header is the newer position.
+    assert resume_point("85", 2) == 85
+    assert resume_point(None, 2) == 2 and resume_point("", 2) == 2
+    assert resume_point(None, None) == -1
+    with pytest.raises(ApiError) as refused:
+        resume_point("x85", 2)
+    assert refused.value.code is RejectionCode.INVALID_REQUEST
+
+
+def test_a_turn_s_terminal_event_names_the_revision_the_next_turn_sends():
+    for status in (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED):
+        frame = sse.terminal("g1", 9, status, None, status is not RequestStatus.COMPLETED, 3, 2, "conv_1", 6)
+        data = json.loads(frame.split(b"data: ", 1)[1])
+        assert (data["conversation_id"], data["next_expected_revision"]) == ("conv_1", 6), data
+    stateless = json.loads(sse.terminal("g1", 9, RequestStatus.COMPLETED, None, False, 3, 2).split(b"data: ", 1)[1])
+    assert "next_expected_revision" not in stateless and "conversation_id" not in stateless
+
+
+def test_a_list_cursor_past_cassandra_s_bigint_is_an_invalid_cursor_not_a_store_failure():
+    from projections.history.store import BIGINT_MAX, decode_cursor, encode_cursor
+
+    assert decode_cursor(encode_cursor(BIGINT_MAX, "conv_a")) == (BIGINT_MAX, "conv_a")
+    for value in (BIGINT_MAX + 1, 10**30):
+        with pytest.raises(ValueError):
+            decode_cursor(encode_cursor(value, "conv_a"))
+
+
+def test_a_bucket_budget_stops_a_read_and_says_it_ran_out():
+    from projections.history.store import BucketBudget
+
+    budget = BucketBudget(2)
+    assert budget.take() and budget.take() and not budget.ran_out
+    assert not budget.take() and budget.ran_out and budget.buckets_left == 0
+
+
+class FakeHistory:
+    """Stands in for ``edge.history.History``: the conversation row's revision, or a store failure."""
+
+    def __init__(self, revision: int | None) -> None:
+        self.revision = revision  # None: every call fails as the store does
+        self.calls: list[tuple] = []
+
+    async def call(self, op: str, *args, **kwargs):
+        self.calls.append((op, *args))
+        if self.revision is None:
+            raise ApiError(RejectionCode.HISTORY_UNAVAILABLE, retry_after_s=1)
+        return type("Row", (), {"status": "active", "revision": self.revision})()
+
+
+class FakeReplayStoreDown:
+    """Stands in for ``edge.replay.ReplayStore``: the stored deltas cannot be read."""
+
+    async def store(self):
+        raise ApiError(RejectionCode.STORE_UNAVAILABLE, retry_after_s=2)
+
+
+async def test_a_same_key_retry_of_a_turn_names_the_revision_the_next_turn_sends_from_the_processor_s_answer():
+    """The processor's answer to the retry names the turn; this edge never admitted it (nothing in its
+    memory, no read model): the JSON document and the replayed stream's terminal event carry
+    next_expected_revision all the same, once the history store shows it."""
+    settings, app, _, http = make(
+        answer=lambda c: Outcome(
+            command_id=c.command_id, kind=OutcomeKind.EXISTING, generation_id="g1", status=RequestStatus.CANCELLED,
+            epoch=1, conversation_id="conv_1", revision=3,
+        )
+    )
+    app.state.edge.history = history = FakeHistory(revision=4)
+    app.state.edge.replay = FakeReplayStoreDown()
+    async with http:
+        r = await http.post("/v1/generations", json=BODY, headers=hdrs(settings))
+        streamed = await http.post("/v1/generations", json={**BODY, "stream": True}, headers=hdrs(settings))
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert (doc["status"], doc["conversation_id"], doc["revision"], doc["next_expected_revision"]) == ("cancelled", "conv_1", 3, 4)
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(b.split("data: ", 1)[1]) for b in streamed.text.split("\n\n") if "data: " in b]
+    assert (events[0]["conversation_id"], events[0]["revision"]) == ("conv_1", 3)
+    assert (events[-1]["conversation_id"], events[-1]["next_expected_revision"]) == ("conv_1", 4)
+    assert history.calls == [("get_conversation", "conv_1")] * 2  # read-your-writes checked before each answer
+
+
+async def test_an_answer_told_before_the_store_shows_its_revision_is_counted_by_reason(monkeypatch):
+    from edge import history as edge_history
+    from edge.metrics import EdgeMetrics
+
+    monkeypatch.setattr(edge_history, "ANSWER_VISIBLE_WAIT_S", 0.05)
+    metrics = EdgeMetrics()
+
+    def counted(reason: str) -> float:
+        return metrics.registry.get_sample_value("chatplane_edge_answers_not_visible_total", {"reason": reason})
+
+    assert await edge_history.answer_visible(FakeHistory(revision=6), metrics, "conv_1", 6) is True
+    assert (counted("timeout"), counted("history_unavailable")) == (0, 0)
+    assert await edge_history.answer_visible(FakeHistory(revision=5), metrics, "conv_1", 6) is False  # the writer lags
+    assert await edge_history.answer_visible(FakeHistory(revision=None), metrics, "conv_1", 6) is False  # the store is down
+    assert (counted("timeout"), counted("history_unavailable")) == (1, 1)

@@ -167,3 +167,68 @@ async def test_a_connection_beyond_connections_max_is_refused_with_a_typed_503()
             await asyncio.sleep(0.05)
         for _, w in held:
             w.close()
+
+
+def typed_400(answer: bytes) -> dict:
+    """The edge's typed 400 from a raw HTTP answer: a JSON error body, never uvicorn's plain text."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b"content-type: application/json" in head.lower(), head
+    import json
+
+    err = json.loads(body)["error"]
+    assert err["code"] == "invalid_request" and err["request_id"].startswith("req_"), err
+    return err
+
+
+async def test_a_request_head_over_its_bound_gets_the_typed_400_however_it_arrives():
+    limit = 64 * 1024
+    async with serve(request_head_bytes_max=limit) as (port, metrics):
+        for pad_bytes, pieces in ((100_000, 1), (200_000, 1), (200_000, 50)):
+            reader, writer = await connect(port)
+            request = b"GET /healthz HTTP/1.1\r\nHost: edge\r\nX-Pad: " + b"a" * pad_bytes + b"\r\n\r\n"
+            step = -(-len(request) // pieces)
+            for i in range(0, len(request), step):
+                writer.write(request[i : i + step])
+                await writer.drain()
+            err = typed_400(await closed_by_server(reader))
+            writer.close()
+            assert err["details"] == {"field": "headers", "limit": limit} and str(limit) in err["message"], err
+        assert closed_count(metrics, "head_bytes") == 3
+        # Bytes that are not HTTP/1.1 get the typed answer too.
+        reader, writer = await connect(port)
+        writer.write(b"NOT HTTP\x00\r\n\r\n")
+        assert typed_400(await closed_by_server(reader))["details"] == {"field": "request"}
+        writer.close()
+        assert closed_count(metrics, "malformed") == 1
+        # A head within the bound is served.
+        reader, writer = await connect(port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: edge\r\nConnection: close\r\nX-Pad: " + b"a" * (limit - 200) + b"\r\n\r\n")
+        assert (await closed_by_server(reader)).startswith(b"HTTP/1.1 200")
+        writer.close()
+
+
+async def test_a_body_over_the_cap_is_refused_before_the_client_sent_the_rest():
+    """Declared one byte over the cap, with no body byte sent, or chunked up to one byte over it with
+    the body never ended: either way the answer comes, so the edge did not wait to read past the cap."""
+    from edge.auth import mint
+    from schemas.codes import Tier
+
+    async with serve() as (port, _):
+        settings = EdgeSettings(capacity_check=False, read_model=False)
+        cap = settings.request_body_bytes_max
+        auth = f"Authorization: Bearer {mint(settings, 'frank', Tier.FREE)}\r\nIdempotency-Key: k1\r\n".encode()
+        for method, path in ((b"POST", b"/v1/generations"), (b"POST", b"/v1/client-metrics"), (b"GET", b"/v1/usage")):
+            reader, writer = await connect(port)
+            writer.write(method + b" " + path + b" HTTP/1.1\r\nHost: edge\r\n" + auth + b"Content-Length: %d\r\n\r\n" % (cap + 1))
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), CLOSE_WAIT_S)
+            assert head.startswith(b"HTTP/1.1 400"), (path, head)
+            writer.close()
+            reader, writer = await connect(port)
+            writer.write(method + b" " + path + b" HTTP/1.1\r\nHost: edge\r\n" + auth + b"Transfer-Encoding: chunked\r\n\r\n")
+            writer.write(b"%x\r\n" % (cap + 1) + b"x" * (cap + 1) + b"\r\n")  # never the last, empty chunk
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), CLOSE_WAIT_S)
+            assert head.startswith(b"HTTP/1.1 400"), (path, head)
+            writer.close()

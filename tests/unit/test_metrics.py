@@ -359,6 +359,16 @@ def test_the_dashboard_shows_the_four_objectives_and_the_four_refusals_apart():
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
 
 
+def test_the_dashboards_availability_counts_the_service_refusals_the_slo_report_counts():
+    """The availability panel's denominator and the SLO report (projections/slo/compute.py) name the
+    same failures: a code added to one (store_unavailable, internal_error) is added to the other."""
+    from projections.slo.compute import SERVICE_CODES
+
+    (expr,) = [e for e in _dashboard_exprs() if "admitted / " in e or 'code="admitted"}[5m])) / ' in e]
+    (eligible,) = re.findall(r'code=~"([a-z_|]+)"', expr)
+    assert set(eligible.split("|")) == {"admitted", *SERVICE_CODES}
+
+
 def test_every_series_a_process_other_than_the_edge_exports_is_named_in_the_docs():
     docs = DOCS.read_text()
     for process, names in _exported_names().items():

@@ -35,7 +35,7 @@ from control_plane.policy import HOUR_MS, ModelEntry, Policy, RiskLimits
 from control_plane.state import UserLedger
 from schemas import commands as cmd
 from schemas import events as ev
-from schemas.codes import CancelReason, FinishOutcome, RejectionCode, RequestStatus, Tier
+from schemas.codes import CancelReason, FinishOutcome, RejectionCode, RequestStatus, RetryAttach, Tier
 from schemas.commands import ReplyTo
 from schemas.messages import OutcomeKind
 from tests.unit.ledger_dsl import T0, Ledger
@@ -218,8 +218,11 @@ class LedgerMachine(RuleBasedStateMachine):
         skew=SKEW,
         read=st.sampled_from(["no deadline"] * 4 + ["in time"] * 2 + ["late"]),
         risk_class=st.sampled_from([""] * 5 + ["elevated", "unknown"]),
+        retry_attach=st.sampled_from([RetryAttach.OFF] * 6 + [RetryAttach.ORIGINAL, RetryAttach.RETRY]),
     )
-    def submit(self, user, key, fingerprint, tier, model, queue_wait_ms, max_output_tokens, skew, read, risk_class) -> None:
+    def submit(
+        self, user, key, fingerprint, tier, model, queue_wait_ms, max_output_tokens, skew, read, risk_class, retry_attach
+    ) -> None:
         # The edge's decision deadline and the processor's read stamp (its clock is now_ms).
         stamps = {}
         if read != "no deadline":
@@ -235,12 +238,26 @@ class LedgerMachine(RuleBasedStateMachine):
             input_tokens=10,
             estimated_queue_wait_ms=queue_wait_ms,
             risk_class=risk_class,
+            retry_attach=retry_attach,
             **stamps,
         )
         before = self.aggregates[user].ledger
         decision = self.run(command)
         if read == "late":
             self.check_late_submit(before, command, decision)
+        if decision.outcome.attached:
+            self.check_attached(before, command, decision)
+
+    def check_attached(self, before: UserLedger, command: cmd.SubmitGeneration, decision: Any) -> None:
+        """A keyless try that attached holds nothing new and names a generation of its fingerprint
+        that is running, queued or completed: never a cancelled or failed one."""
+        after = self.aggregates[command.user_id].ledger
+        assert command.retry_attach is not RetryAttach.OFF and command.idempotency_key not in after.requests
+        assert after.slots == before.slots and after.windows == before.windows
+        assert after.reservations == before.reservations
+        record = before.record_of(decision.outcome.generation_id)
+        assert record is not None and record.fingerprint == command.fingerprint
+        assert record.status.active or record.status is RequestStatus.COMPLETED
 
     def check_late_submit(self, before: UserLedger, command: cmd.SubmitGeneration, decision: Any) -> None:
         """A submit read after its deadline holds nothing new; of a key admitted or settled, it answers
@@ -256,6 +273,10 @@ class LedgerMachine(RuleBasedStateMachine):
             assert refused[0].status is RequestStatus.ADMISSION_RETRYABLE
             assert refused[0].read_at_ms == command.read_at_ms and refused[0].decide_by_ms == command.decide_by_ms
             assert not any(isinstance(e, ev.GenerationAdmitted) for e in decision.events)
+        elif on_time.outcome.attached and record is None:
+            # A keyless try read late is never attached (its issuer stopped waiting, and naming it the
+            # reader would withdraw a pending cancel): it holds nothing new (checked above) instead.
+            assert not decision.outcome.attached
         else:
             assert decision == on_time, "lateness changed the answer about an existing request"
 

@@ -89,6 +89,32 @@ def test_entries_without_shown_events_produce_no_update():
     assert all("status" not in r.columns or r.columns["status"] for r in rows)
 
 
+def test_a_turn_s_row_keeps_its_conversation_and_revision_and_old_rows_read_without_them():
+    """Every edge names a turn's next revision from the row (not only the edge that admitted it); a
+    row projected before the columns existed reads as a stateless one."""
+    from types import SimpleNamespace
+
+    from projections.readmodel.queries import _view
+    from projections.readmodel.schema import ADDED_GENERATION_COLUMNS
+
+    led = Ledger()
+    led.create_conversation()
+    turn = led.turn("t1", 0)
+    gid = turn.outcome.generation_id
+    cols = fold_entry(_entry(turn, "c1"))[gid]
+    assert (cols["conversation_id"], cols["turn_revision"], cols["status"]) == ("conv_a", 1, RequestStatus.QUEUED.value)
+    assert set(cols) <= set(GENERATION_COLUMNS)
+    assert {"conversation_id", "turn_revision"} <= set(ADDED_GENERATION_COLUMNS)  # an existing table gains them
+    stateless = led.submit("plain")
+    assert "conversation_id" not in fold_entry(_entry(stateless, "c2"))[stateless.outcome.generation_id]
+    row = {c: None for c in GENERATION_COLUMNS} | {"generation_id": gid, "user_id": "user-1", "status": "completed", "epoch": 1}
+    view = _view(SimpleNamespace(**(row | {"conversation_id": "conv_a", "turn_revision": 1})), None, 0)
+    assert (view.conversation_id, view.turn_revision) == ("conv_a", 1)
+    old = {k: v for k, v in row.items() if k not in ("conversation_id", "turn_revision")}
+    view = _view(SimpleNamespace(**old), None, 0)
+    assert (view.conversation_id, view.turn_revision) == (None, None)
+
+
 def test_update_cql_writes_with_ttl_and_revision_timestamp():
     cql = update_cql("ks", ("status", "user_id"))
     assert "USING TTL ? AND TIMESTAMP ?" in cql

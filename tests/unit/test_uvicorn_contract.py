@@ -20,7 +20,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
-from edge.uvicorn_adapter import CONNECTIONS_MAX, HEAD_TIMEOUT, BoundedH11Protocol, bounded_h11_protocol
+from edge.uvicorn_adapter import CONNECTIONS_MAX, HEAD_BYTES, HEAD_TIMEOUT, MALFORMED, BoundedH11Protocol, bounded_h11_protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n"
@@ -149,3 +149,55 @@ async def test_the_adapter_refuses_a_connection_over_the_bound_with_its_refusal(
     second.connection_lost(None)
     first.connection_lost(None)
     assert not state.connections
+
+
+class EofTransport(FakeTransport):
+    """A ``FakeTransport`` that can half-close, as a socket transport can."""
+
+    eof = False
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+
+async def test_h11_keeps_an_unfinished_head_in_trailing_data_and_uvicorn_answers_bad_bytes_through_send_400_response():
+    proto = protocol(H11Protocol)
+    proto.connection_made(FakeTransport())
+    proto.data_received(HEAD[:20])
+    assert proto.conn.trailing_data[0] == HEAD[:20]  # the adapter measures a split head by it
+    proto.connection_lost(None)
+    called: list[str] = []
+    cls = type("Spy", (H11Protocol,), {"send_400_response": lambda self, msg: called.append(msg)})
+    spy = protocol(cls)
+    spy.connection_made(FakeTransport())
+    spy.data_received(b"NOT HTTP\x00\r\n\r\n")
+    assert called, "uvicorn no longer answers a protocol error through send_400_response"
+    spy.connection_lost(None)
+
+
+async def test_h11_max_incomplete_event_size_reaches_the_h11_connection():
+    # Async so that the protocol finds the running loop whatever an earlier test left as the current one.
+    config = uvicorn.Config(app, http=H11Protocol, lifespan="off", h11_max_incomplete_event_size=12_345)
+    config.load()
+    proto = config.http_protocol_class(config=config, server_state=ServerState(), app_state={})  # type: ignore[call-arg]
+    assert proto.conn._max_incomplete_event_size == 12_345
+
+
+async def test_the_adapter_answers_a_head_over_its_bound_and_bad_bytes_with_its_typed_answer_then_lingers():
+    closes: list[str] = []
+    cls = bounded_h11_protocol(
+        head_timeout_s=5.0, connections_max=None, on_close=closes.append, head_bytes_max=1024,
+        bad_request=lambda reason: f"TYPED {reason}".encode(),
+    )
+    for data, reason in ((b"GET / HTTP/1.1\r\nX: " + b"a" * 2000 + b"\r\n\r\n", HEAD_BYTES), (b"NOT HTTP\x00\r\n\r\n", MALFORMED)):
+        proto = protocol(cls)
+        transport = EofTransport()
+        proto.connection_made(transport)
+        proto.data_received(data)
+        assert transport.written == f"TYPED {reason}".encode() and transport.eof and closes[-1] == reason
+        proto.data_received(b"more the client still sends")  # read and dropped, never parsed
+        assert transport.written == f"TYPED {reason}".encode() and not proto.tasks
+        proto.connection_lost(None)
