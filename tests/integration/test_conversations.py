@@ -109,7 +109,7 @@ async def test_two_devices_racing_twenty_turns_admit_one_store_one_turn_and_char
     assert conv["revision"] == 0 and conv["id"].startswith("conv_")
     answers = await asyncio.gather(*(stack.turn(user, conv["id"], 0, f"device {i % 2} says {i}") for i in range(20)))
     codes = sorted(r.status_code for r in answers)
-    assert codes == [200] + [409] * 19, [r.text for r in answers]
+    assert codes == [200] + [409] * 19, [r.text for r in answers if r.status_code not in (200, 409)] or [r.text for r in answers]
     losers = [r.json()["error"] for r in answers if r.status_code == 409]
     assert {e["code"] for e in losers} == {"conversation_conflict"}
     assert all(e["details"]["revision"] >= 1 and e["retryable"] is False for e in losers)
