@@ -17,7 +17,6 @@ import asyncio
 import signal
 import uuid
 
-import httpx
 import openai
 import pytest
 
@@ -25,6 +24,7 @@ from edge.auth import mint
 from schemas import events as ev
 from schemas.codes import RetryAttach, Tier
 from tests.integration.test_edge_harness import edge_settings, serve_edge
+from tests.integration.test_openai_compat import Counted
 from tests.integration.test_workers import sim_worker
 from tests.integration.workers_harness import ledger_events
 
@@ -35,18 +35,6 @@ PROMPT = [{"role": "user", "content": "Name three colors."}]
 SIM_TEXT = " ".join(f"sim-token-{i}" for i in range(1, 13))
 # About 1.1 s of generation: longer than one try's 0.5 s timeout, far shorter than three tries.
 SLOW = {"ttft_ms": 100, "inter_token_ms": 80, "output_tokens": 12}
-
-
-class Counted:
-    """An ``httpx.AsyncClient`` for the ``openai`` client that records the requests it sends."""
-
-    def __init__(self) -> None:
-        self.requests: list[httpx.Request] = []
-        self.http = httpx.AsyncClient(event_hooks={"request": [self._count]}, timeout=30.0)
-
-    async def _count(self, request: httpx.Request) -> None:
-        self.requests.append(request)
-
 
 def user() -> str:
     return f"u-{uuid.uuid4().hex[:8]}"
