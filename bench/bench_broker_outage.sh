@@ -6,7 +6,7 @@
 # is not touched), creates a namespace's topics, starts `python -m projections` against it, waits
 # WARMUP_S, stops the broker for DOWN_S, starts it again, times the first decision (a ReconcileDue
 # probe through the inbox), waits 10 s more, and prints the processor's log lines from the stop on,
-# by template, and the lines the repeated-line filter suppressed (projections/shared/log_limits.py).
+# by template, and the lines the repeated-line filter suppressed (infra/runtime/log_limits.py).
 #
 # Usage: bench/bench_broker_outage.sh [DOWN_S] [CHECKOUT]
 #   CHECKOUT: the source tree whose processor runs (default: this one); another checkout, e.g. a
@@ -35,7 +35,7 @@ trap cleanup EXIT
 "$HERE/infra/kafka-start" >/dev/null
 (cd "$HERE" && "$PY" -c '
 import asyncio
-from projections.shared.kafka_admin import deployment_topics, ensure_topics
+from infra.runtime.kafka_admin import deployment_topics, ensure_topics
 from schemas.topics import Topology
 asyncio.run(ensure_topics("127.0.0.1:19092", deployment_topics(Topology("outage"))))')
 (cd "$CHECKOUT" && CHATPLANE_PROCESSOR_ID=p1 CHATPLANE_DATA_DIR="$WORK/data" PYTHONUNBUFFERED=1 \
@@ -49,7 +49,7 @@ during=$(( $(wc -l <"$log") - before ))
 "$HERE/infra/kafka-start" >/dev/null
 recover_s=$(cd "$HERE" && "$PY" -c '
 import asyncio, time
-from projections.shared.command_client import CommandClient
+from infra.runtime.command_client import CommandClient
 from schemas.topics import Topology
 from tests.integration.ledger_harness import wait_until_deciding
 async def main():

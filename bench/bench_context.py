@@ -47,8 +47,8 @@ from edge.context import (  # noqa: E402
     build_context,
     history_page_reader,
 )
-from projections.shared.catalog import load_catalog  # noqa: E402
-from projections.shared.tokens import count_message_tokens, count_system_tokens, vocabulary_path  # noqa: E402
+from infra.models.catalog import load_catalog  # noqa: E402
+from infra.models.tokens import count_message_tokens, count_system_tokens, vocabulary_path  # noqa: E402
 from schemas.messages import ChatMessage  # noqa: E402
 
 ALIAS = "fast-text-model"
@@ -187,9 +187,9 @@ async def run_memory(model, turn, args) -> list[dict]:
 
 
 async def run_cassandra(model, turn, args) -> list[dict]:
-    from projections.history.store import HistoryStore, StoredMessage, bucket_of
-    from projections.readmodel.schema import ReadModelSettings
-    from projections.shared.cassandra import execute
+    from infra.stores.history import HistoryStore, StoredMessage, bucket_of
+    from infra.stores.schema import ReadModelSettings
+    from infra.stores.cassandra import execute
 
     keyspace = f"bench_context_{uuid.uuid4().hex[:10]}"
     store = await HistoryStore.open(ReadModelSettings(keyspace=keyspace))

@@ -100,7 +100,7 @@ from control_plane.codec import dump_aggregate  # noqa: E402
 from control_plane.policy import Policy  # noqa: E402
 from projections.ledger.audit import Auditor  # noqa: E402
 from projections.ledger.table_store import EMPTY_LAYOUT, is_settled_key, plan, user_of_settled_key  # noqa: E402
-from projections.shared.topic_reader import read_topic  # noqa: E402
+from infra.runtime.topic_reader import read_topic  # noqa: E402
 from schemas.codes import RequestStatus, Tier  # noqa: E402
 
 WARMUP_RATE = 10.0  # stateless requests/s during --warmup-s (fresh users; not reported)

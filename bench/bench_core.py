@@ -50,7 +50,7 @@ from schemas import commands as cmd  # noqa: E402
 from schemas.codes import CancelReason, FinishOutcome, Tier  # noqa: E402
 from schemas.wire import encode  # noqa: E402
 from projections.ledger.table_store import EMPTY_LAYOUT, is_chunk_key, join, plan  # noqa: E402
-from projections.shared.catalog import load_catalog  # noqa: E402
+from infra.models.catalog import load_catalog  # noqa: E402
 
 T0_MS = 1_762_441_200_000
 REQUESTS_PER_WINDOW = 40

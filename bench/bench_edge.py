@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # noqa: E402
 
-from projections.shared.command_client import CommandClient  # noqa: E402
-from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
+from infra.runtime.command_client import CommandClient  # noqa: E402
+from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
 from schemas.codes import Tier  # noqa: E402
 from schemas.commands import SubmitGeneration  # noqa: E402
 from schemas.messages import TextDelta  # noqa: E402

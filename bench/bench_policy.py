@@ -1,4 +1,4 @@
-"""Benchmark of the worker's output check per engine chunk (``projections.shared.policy_checks``).
+"""Benchmark of the worker's output check per engine chunk (``infra.content.policy_checks``).
 
 A script, not a test. The worker runs ``check_output`` on every engine chunk when a blocklist is
 configured and, since the hold-back window, ``output_hold`` on the allowed text's tail as well. The
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from projections.shared.policy_checks import Blocklist  # noqa: E402
+from infra.content.policy_checks import Blocklist  # noqa: E402
 
 
 def run(b: Blocklist, chunks: list[str], hold: bool) -> float:

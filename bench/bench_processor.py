@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from control_plane.decide import generation_id_for  # noqa: E402
-from projections.shared.command_client import CommandClient  # noqa: E402
-from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
-from projections.shared.settings import policy_from_env  # noqa: E402
+from infra.runtime.command_client import CommandClient  # noqa: E402
+from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
+from infra.runtime.settings import policy_from_env  # noqa: E402
 from schemas import commands as cmd  # noqa: E402
 from schemas.codes import FinishOutcome, Tier  # noqa: E402
 from schemas.commands import ReplyTo  # noqa: E402

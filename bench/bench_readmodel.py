@@ -50,12 +50,12 @@ sys.path.insert(0, str(ROOT))
 from aiokafka import AIOKafkaProducer, TopicPartition  # noqa: E402
 from aiokafka.admin import AIOKafkaAdminClient  # noqa: E402
 
-from projections.shared.cassandra import execute  # noqa: E402
-from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
-from projections.readmodel.queries import GenerationReader  # noqa: E402
+from infra.stores.cassandra import execute  # noqa: E402
+from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
+from infra.stores.queries import GenerationReader  # noqa: E402
 from projections.readmodel.writer import WRITES_IN_FLIGHT_MAX  # noqa: E402
-from projections.readmodel.schema import ReadModelSettings, close_cluster, ensure_schema, open_session, prepare  # noqa: E402
-from projections.readmodel.results import CassandraResultStore  # noqa: E402
+from infra.stores.schema import ReadModelSettings, close_cluster, ensure_schema, open_session, prepare  # noqa: E402
+from infra.stores.results import CassandraResultStore  # noqa: E402
 from schemas import events as ev  # noqa: E402
 from schemas.codes import FinishOutcome, SlotReleaseReason, Tier  # noqa: E402
 from schemas.topics import Topology  # noqa: E402

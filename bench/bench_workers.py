@@ -34,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from projections.shared.command_client import CommandClient  # noqa: E402
-from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
+from infra.runtime.command_client import CommandClient  # noqa: E402
+from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
 from schemas.codes import RequestStatus  # noqa: E402
 from schemas.topics import Topology  # noqa: E402
 from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding  # noqa: E402

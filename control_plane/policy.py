@@ -79,7 +79,7 @@ class Policy:
     conversation_tombstone_ms: int = 1 * HOUR_MS
     conversation_tombstones_max: int = 256
     # The model catalog's core view (alias -> version, pool, tiers). Empty here: the processes fill it
-    # from the one catalog file (projections.shared.catalog), tests and the simulator from their own.
+    # from the one catalog file (infra.models.catalog), tests and the simulator from their own.
     models: dict[str, ModelEntry] = field(default_factory=dict)
     # Token budget per tier and window, in tokens (input + output); 0 = off. Off by default for every
     # tier: the message quota alone is today's contract, and a budget changes who gets refused, so an

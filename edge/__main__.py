@@ -29,11 +29,11 @@ from edge.app import create_app
 from edge.deps import new_request_id
 from edge.settings import EdgeSettings
 from edge.uvicorn_adapter import HEAD_BYTES, bounded_h11_protocol
-from projections.readmodel.schema import ReadModelSettings
-from projections.shared import memtrace, tracing
-from projections.shared.malloc_tuning import tune_malloc
-from projections.shared.log_limits import install_log_limits
-from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
+from infra.stores.schema import ReadModelSettings
+from infra.runtime import memtrace, tracing
+from infra.runtime.malloc_tuning import tune_malloc
+from infra.runtime.log_limits import install_log_limits
+from infra.runtime.settings import SettingsError, exit_on_settings_error, log_level
 from schemas.codes import RejectionCode
 from schemas.messages import RejectionDetails
 

@@ -48,11 +48,11 @@ from edge.shedding import LoadShedder
 from edge.streams import GenerationView, StreamHub
 from edge.presence import PresenceBeacon
 from edge.tokens import input_token_counter
-from projections.shared.catalog import load_catalog
-from projections.shared.command_client import CommandClient
-from projections.shared.gc_tuning import tune_gc
-from projections.shared.kafka_settings import producer_kwargs
-from projections.shared.policy_checks import PolicySettings, load_policy_check
+from infra.models.catalog import load_catalog
+from infra.runtime.command_client import CommandClient
+from infra.runtime.gc_tuning import tune_gc
+from infra.runtime.kafka_settings import producer_kwargs
+from infra.content.policy_checks import PolicySettings, load_policy_check
 from schemas.codes import RequestStatus
 from schemas.messages import ChatMessage
 from schemas.wire import WIRE_CONTENT_MESSAGE_BYTES_MAX
@@ -95,7 +95,7 @@ class Edge:
             ),
             settings.ip_rate_per_s, settings.ip_burst, settings.ip_buckets_max, settings.edge_replicas,
         )
-        # The prompt check before admission (projections/shared/policy_checks.py); None: no check.
+        # The prompt check before admission (infra/content/policy_checks.py); None: no check.
         self.policy_check = load_policy_check() if PolicySettings().prompts else None
         # This process as a reader of its clients' generations: new at every start (edge/presence.py).
         self.edge_id = uuid.uuid4().hex

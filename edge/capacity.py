@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from projections.shared.kafka_settings import kafka_client_kwargs
+from infra.runtime.kafka_settings import kafka_client_kwargs
 from schemas.messages import WorkerHeartbeat
 from schemas.topics import Topology
 from schemas.wire import WireError, decode_message

@@ -40,8 +40,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from projections.shared.catalog import CatalogModel
-from projections.shared.tokens import count_message_tokens, count_system_tokens
+from infra.models.catalog import CatalogModel
+from infra.models.tokens import count_message_tokens, count_system_tokens
 from schemas.messages import ChatMessage
 
 CONTEXT_PAGE_SIZE = 32
@@ -239,7 +239,7 @@ async def build_context(
 
 
 class StoredLike(Protocol):
-    """What ``history_page_reader`` needs of a stored message (``projections.history.store.StoredMessage``)."""
+    """What ``history_page_reader`` needs of a stored message (``infra.stores.history.StoredMessage``)."""
 
     seq: int
     role: str

@@ -33,7 +33,7 @@ from typing import Any
 from edge.context import NoTurnToRegenerate, TurnTooLarge, build_context, history_page_reader
 from edge.errors import ApiError
 from edge.metrics import EdgeMetrics
-from projections.shared.catalog import CatalogModel
+from infra.models.catalog import CatalogModel
 from schemas.codes import RejectionCode
 from schemas.messages import ChatMessage, RejectionDetails
 
@@ -69,7 +69,7 @@ class History:
             if self._store is None and time.monotonic() - self._opened_at_s >= HISTORY_REOPEN_INTERVAL_S:
                 self._opened_at_s = time.monotonic()
                 try:
-                    from projections.history.store import HistoryStore
+                    from infra.stores.history import HistoryStore
 
                     async with asyncio.timeout(HISTORY_OPEN_TIMEOUT_S):
                         self._store = await HistoryStore.open()
@@ -81,7 +81,7 @@ class History:
 
     async def call(self, op: str, *args: Any, **kwargs: Any) -> Any:
         """``store.<op>(...)``, its failure answered as ``history_unavailable``."""
-        from projections.history.store import HistoryUnavailable
+        from infra.stores.history import HistoryUnavailable
 
         store = await self.store()
         try:
@@ -129,7 +129,7 @@ async def prepare_turn(
     row = await owned_conversation(history, conversation_id, user_id)
     await _caught_up(history, conversation_id, expected_revision)
     store = await history.store()
-    from projections.history.store import HistoryUnavailable
+    from infra.stores.history import HistoryUnavailable
 
     read_page = history_page_reader(functools.partial(store.read_before, conversation_id))
     # A turn reads everything up to the revision it was sent against; a regeneration everything
@@ -159,7 +159,7 @@ async def _caught_up(history: History, conversation_id: str, expected_revision: 
     """Wait (bounded) until the store holds the committed message at ``expected_revision``."""
     if expected_revision == 0:
         return
-    from projections.history.store import BucketBudget
+    from infra.stores.history import BucketBudget
 
     deadline = time.monotonic() + CATCH_UP_WAIT_S
     while True:

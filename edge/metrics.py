@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from projections.shared.metrics_http import LATENCY_BUCKETS_S
+from infra.runtime.metrics_http import LATENCY_BUCKETS_S
 from schemas.codes import REJECTIONS
 
 # Every label value a submit decision can count under, exported at 0 from the start so a dashboard

@@ -12,7 +12,7 @@ import argparse
 
 from edge.auth import mint
 from edge.settings import EdgeSettings
-from projections.shared.settings import SettingsError, exit_on_settings_error
+from infra.runtime.settings import SettingsError, exit_on_settings_error
 from schemas.codes import Tier
 
 

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from edge.errors import ApiError, error_response
-from projections.shared.catalog import Catalog
+from infra.models.catalog import Catalog
 from schemas.codes import REJECTIONS, RejectionCode, RequestStatus
 
 _STRICT = ConfigDict(extra="forbid", strict=True)

@@ -8,7 +8,7 @@ Where this sits (docs/slo.md)::
 
 The edge's own refusals (invalid, unauthorized, rate limited, shed, a decision that did not come in
 time) and its latencies never reach the ledger; this record carries them to the SLO report
-(``python -m projections.slo``). Only ids, codes and durations: no text, no token content, the user
+(``python -m projections.reports.slo``). Only ids, codes and durations: no text, no token content, the user
 as an opaque digest.
 
 Recording never slows or fails a request: ``OutcomeLog.append`` puts the record in a buffer bounded

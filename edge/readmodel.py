@@ -1,4 +1,4 @@
-"""Adapter from the edge to the Cassandra read model (``projections.readmodel.queries.GenerationReader``).
+"""Adapter from the edge to the Cassandra read model (``infra.stores.queries.GenerationReader``).
 
 Data flow: ``GET /v1/generations/{id}`` and a same-key retry of a completed request ->
 ``Edge.lookup``/``Edge.result`` -> this edge's memory of generations it admitted (fresh, exact) ->
@@ -43,7 +43,7 @@ class ReadModel:
             if self._reader is None and time.monotonic() - self._opened_at_s >= READ_MODEL_REOPEN_INTERVAL_S:
                 self._opened_at_s = time.monotonic()
                 try:
-                    from projections.readmodel.queries import GenerationReader
+                    from infra.stores.queries import GenerationReader
 
                     async with asyncio.timeout(READ_MODEL_OPEN_TIMEOUT_S):
                         self._reader = await GenerationReader.open()
@@ -54,7 +54,7 @@ class ReadModel:
         return self._reader
 
     async def lookup(self, generation_id: str, owner: str) -> GenerationView | None:
-        from projections.readmodel.queries import ReadModelUnavailable
+        from infra.stores.queries import ReadModelUnavailable
 
         reader = await self._get_reader()
         try:
@@ -65,7 +65,7 @@ class ReadModel:
 
     async def lookup_with_result(self, generation_id: str, owner: str) -> tuple[GenerationView | None, str | None]:
         """The generation and, when completed and retained, its text: one read-model call (GET)."""
-        from projections.readmodel.queries import ReadModelUnavailable, ResultState
+        from infra.stores.queries import ReadModelUnavailable, ResultState
 
         reader = await self._get_reader()
         try:
@@ -83,7 +83,7 @@ class ReadModel:
         or the processor's answer), or None when it has expired (410). Raises the 503
         ``result_pending`` while the worker still holds a text it could not store yet, and while the
         read model has not projected the completion (it trails the ledger): not expired, not yet."""
-        from projections.readmodel.queries import ReadModelUnavailable, ResultState
+        from infra.stores.queries import ReadModelUnavailable, ResultState
 
         reader = await self._get_reader()
         try:

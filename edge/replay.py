@@ -3,7 +3,7 @@ edge replica, then follows it live to its terminal event (issue 16; docs/edge.md
 
 Data flow::
 
-    worker --delta, stored BEFORE it is sent--> generation_events (projections/readmodel/replay.py)
+    worker --delta, stored BEFORE it is sent--> generation_events (infra/stores/replay.py)
     processor --terminal state + its sequence--> ledger --> generations_by_id.terminal_sequence
     client --GET .../events, Last-Event-ID: N--> any edge:
         reader task: generation_events after N (pages of REPLAY_PAGE), then polled every
@@ -65,7 +65,7 @@ class ReplayAccess:
             if self._store is None and time.monotonic() - self._opened_at_s >= REPLAY_REOPEN_INTERVAL_S:
                 self._opened_at_s = time.monotonic()
                 try:
-                    from projections.readmodel.replay import ReplayStore
+                    from infra.stores.replay import ReplayStore
 
                     async with asyncio.timeout(REPLAY_OPEN_TIMEOUT_S):
                         self._store = await ReplayStore.open()

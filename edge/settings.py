@@ -1,7 +1,7 @@
 """Settings of the HTTP/SSE edge (``python -m edge``), read from the environment once at start-up.
 
 Every limit is a named value with its unit in the name (DESIGN section 7), read by the shared loader
-(``projections.shared.settings``: typed, checked at start, a bad value is one line naming the
+(``infra.runtime.settings``: typed, checked at start, a bad value is one line naming the
 variable). The edge shares the admission policy's model catalog and output-token ceiling with the
 processor (``policy_from_env``), so it can reject an oversized request before any work, while the
 core stays the authority. The request body's bounds (``messages_count_max``,
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from control_plane.policy import Policy
 from edge.client_ip import IPNetwork, parse_networks
-from projections.shared.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
-from projections.shared.settings import DEV_MODE_ENV, SettingsError, env_var, policy_from_env, setting
+from infra.runtime.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
+from infra.runtime.settings import DEV_MODE_ENV, SettingsError, env_var, policy_from_env, setting
 from schemas.topics import Topology
 
 # Built-in secrets, used only in development mode (CHATPLANE_DEV_MODE=1, set by `make up` and the tests)
@@ -75,7 +75,7 @@ class EdgeSettings:
     # expiry of centuries would otherwise be good for ever. Counted from now, so iat is optional.
     jwt_lifetime_max_s: int = setting("CHATPLANE_EDGE_JWT_LIFETIME_MAX_S", 24 * 3600, ge=1)
 
-    # Cyclic GC (projections.shared.gc_tuning.tune_gc): young-generation size; 0 keeps Python's settings.
+    # Cyclic GC (infra.runtime.gc_tuning.tune_gc): young-generation size; 0 keeps Python's settings.
     gc_gen0_threshold: int = setting("CHATPLANE_EDGE_GC_GEN0_THRESHOLD", GC_GEN0_THRESHOLD_DEFAULT, ge=0)
 
     # Keys the request fingerprints (idempotency-key reuse checks); needed whatever the token algorithm.
@@ -173,7 +173,7 @@ class EdgeSettings:
     # For tests and benchmarks without workers: skip the capacity view (estimate 0).
     capacity_check: bool = setting("CHATPLANE_EDGE_CAPACITY_CHECK", True)
 
-    # GET and completed same-key retries read the Cassandra read model (projections.readmodel.queries) for
+    # GET and completed same-key retries read the Cassandra read model (infra.stores.queries) for
     # generations this process no longer remembers; off: memory only (tests without the projection).
     read_model: bool = setting("CHATPLANE_EDGE_READ_MODEL", True)
     # Recently seen generations kept for GET when the Cassandra read model is not available.

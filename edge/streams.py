@@ -125,7 +125,7 @@ class GenerationView:
     terminal_sequence: int = 0  # the terminal event's id as the processor fixed it (0: after the last delta)
     result_expires_at_ms: int | None = None
     # Completed, and its text not stored yet (the worker holds it for a later write): the content
-    # answers 503 result_pending, not 410 result_unavailable (projections.readmodel.queries).
+    # answers 503 result_pending, not 410 result_unavailable (infra.stores.queries).
     result_pending: bool = False
 
 
@@ -141,7 +141,7 @@ class StreamHub:
         self.recent: OrderedDict[str, GenerationView] = OrderedDict()
         self.results: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (text, expires monotonic s)
         self.results_bytes = 0
-        self.client: Any = None  # projections.shared.command_client.CommandClient, set by the app at start-up
+        self.client: Any = None  # infra.runtime.command_client.CommandClient, set by the app at start-up
         self.producer: AIOKafkaProducer | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.background_dropped = 0

@@ -1,6 +1,6 @@
 """Input-token counting for the edge's bound, behind one small interface: ``counter(alias, messages)``.
 
-The count is the model's own (``projections.shared.tokens.count_input_tokens`` over the catalog
+The count is the model's own (``infra.models.tokens.count_input_tokens`` over the catalog
 entry: its tokenizer and its trusted system instructions, which the worker installs), so the
 ``input_tokens`` of a command is the same figure a worker would count. For an alias the catalog does
 not know (the route refuses those as ``model_not_found`` before counting; the counter still answers)
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from projections.shared.catalog import Catalog, UnknownModel
-from projections.shared.tokens import count_input_tokens
+from infra.models.catalog import Catalog, UnknownModel
+from infra.models.tokens import count_input_tokens
 from schemas.messages import ChatMessage
 
 ESTIMATE_BYTES_PER_TOKEN = 3

@@ -40,7 +40,7 @@ ROOT = INFRA.parent
 # The one settings loader of every process; it needs only the standard library, ``schemas`` and
 # ``control_plane``, so it imports from the source tree before the package is installed.
 sys.path.insert(0, str(ROOT))
-from projections.shared.settings import SettingsError, comma_list, env_value  # noqa: E402
+from infra.runtime.settings import SettingsError, comma_list, env_value  # noqa: E402
 
 LIB = Path(env_value("CHATPLANE_LIB_DIR", str(INFRA / "lib")))
 PORT_MAX = 65_535
@@ -711,12 +711,12 @@ def cassandra_start(cfg: Config) -> None:
 
 def create_topics(cfg: Config) -> None:
     """Every topic of the deployment (the catalog's pools included) and the keyspace with its tables,
-    through the one path the processes and the tests use (``projections.shared.kafka_admin.ensure_topics``,
-    ``projections.readmodel.schema.ensure_schema``); idempotent."""
+    through the one path the processes and the tests use (``infra.runtime.kafka_admin.ensure_topics``,
+    ``infra.stores.schema.ensure_schema``); idempotent."""
     sys.path.insert(0, str(ROOT))
-    from projections.readmodel.schema import ReadModelSettings, close_cluster, ensure_schema, open_session
-    from projections.shared.catalog import CatalogError
-    from projections.shared.kafka_admin import TopologyError, deployment_topics, ensure_topics
+    from infra.stores.schema import ReadModelSettings, close_cluster, ensure_schema, open_session
+    from infra.models.catalog import CatalogError
+    from infra.runtime.kafka_admin import TopologyError, deployment_topics, ensure_topics
     from schemas import topics as T  # noqa: N812
 
     # CHATPLANE_NAMESPACE (as the processes read it) prefixes every topic: isolated deployments

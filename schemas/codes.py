@@ -77,7 +77,7 @@ class FinishReason(StrEnum):
     ABORT_NOT_ACKNOWLEDGED = "abort_not_acknowledged"  # the engine never acknowledged the abort
     ENGINE_ENDED_WITHOUT_FINISH = "engine_ended_without_finish"  # the engine's stream ended without its end
     ENGINE_ERROR = "engine_error"  # the engine failed (its reason stays in the worker's log)
-    # The worker's output check (projections/shared/policy_checks.py) refused the text: stopped.
+    # The worker's output check (infra/content/policy_checks.py) refused the text: stopped.
     OUTPUT_REFUSED = "output_refused"
 
 

@@ -4,7 +4,7 @@ Where this sits (docs/slo.md)::
 
     client --POST /v1/generations, /v1/chat/completions--> edge --EdgeOutcome(key request_id)--> OUTCOMES
                                                                                       |
-    processor, workers --LedgerEntry--> LEDGER -------------------------------------+--> projections.slo
+    processor, workers --LedgerEntry--> LEDGER -------------------------------------+--> projections.reports.slo
 
 Refusals the edge makes itself (invalid, unauthorized, rate limited, shed, a decision that did not
 come in time) and the edge-side latencies never reach the ledger, so the edge appends this record for

@@ -13,7 +13,7 @@ Data flow (DESIGN section 2)::
     workers --EDGE_INBOX--> edge (deltas);  workers --CAPACITY--> edge admission
     workers --ANSWERS(user_id)--> history writer --Cassandra, then CommitAnswer--> COMMANDS
     edges --EDGE_PRESENCE--> admission processors (liveness leases of the edges holding readers)
-    edges --OUTCOMES(request_id)--> projections.slo (one content-free record per admission request)
+    edges --OUTCOMES(request_id)--> projections.reports.slo (one content-free record per admission request)
 """
 
 from __future__ import annotations
@@ -99,11 +99,11 @@ DEAD_LETTER = TopicSpec(
 )
 
 # One EdgeOutcome per admission request (schemas/outcomes.py: ids, codes, durations; no text), read by
-# the SLO report (projections/slo, docs/slo.md): kept past a 30-day objective window.
+# the SLO report (projections/reports/slo, docs/slo.md): kept past a 30-day objective window.
 OUTCOMES = TopicSpec("chatplane.outcomes", OUTCOMES_PARTITIONS, 35 * DAY_MS)
 
 # Tiers: one dispatch topic per (pool, tier); the pools are the model catalog's
-# (projections.shared.catalog), one per model version unless the catalog says otherwise.
+# (infra.models.catalog), one per model version unless the catalog says otherwise.
 TIERS = ("paid", "free")
 
 
@@ -146,13 +146,13 @@ def worker_control_partition(worker_id: str) -> int:
 # Cassandra.
 KEYSPACE = "chatplane"
 GENERATIONS_TABLE = "generations_by_id"
-# Conversation history (projections/history/store.py; docs/conversations.md).
+# Conversation history (infra/stores/history.py; docs/conversations.md).
 CONVERSATIONS_TABLE = "conversations"
 CONVERSATIONS_BY_USER_TABLE = "conversations_by_user"
 MESSAGES_TABLE = "messages"
 TURN_INPUTS_TABLE = "turn_inputs"
 RESULTS_TABLE = "results_by_generation"
-# Every text delta of a generation, by sequence, for replay (projections/readmodel/replay.py).
+# Every text delta of a generation, by sequence, for replay (infra/stores/replay.py).
 REPLAY_TABLE = "generation_events"
 
 
@@ -231,7 +231,7 @@ class Topology:
 
     def all(self, pools: Iterable[str]) -> tuple[TopicSpec, ...]:
         """Every topic of this deployment for the catalog's ``pools``, created explicitly (never by
-        broker auto-creation): ``projections.shared.kafka_admin.deployment_topics``."""
+        broker auto-creation): ``infra.runtime.kafka_admin.deployment_topics``."""
         dispatch = tuple(self.dispatch(p, t) for p in sorted(set(pools)) for t in TIERS)
         prompts = tuple(self.prompts(p) for p in sorted(set(pools)))
         return (

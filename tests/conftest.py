@@ -214,7 +214,7 @@ async def kafka_admin(kafka_bootstrap):
 async def fresh_topic(kafka_admin, unique_name):
     from aiokafka.admin import NewTopic
 
-    from projections.shared.kafka_admin import wait_topics_ready
+    from infra.runtime.kafka_admin import wait_topics_ready
 
     created: list[str] = []
 
@@ -238,7 +238,7 @@ async def fresh_topic(kafka_admin, unique_name):
 
 @pytest.fixture
 async def fresh_keyspace(cassandra_session, unique_name):
-    from projections.shared.cassandra import execute
+    from infra.stores.cassandra import execute
 
     name = unique_name("ks").replace("-", "_")
     await execute(

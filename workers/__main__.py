@@ -19,7 +19,7 @@ from typing import Any, assert_never
 
 import orjson
 
-from projections.shared.catalog import (
+from infra.models.catalog import (
     ENGINES_WITH_WEIGHTS,
     CatalogError,
     CatalogModel,
@@ -30,12 +30,12 @@ from projections.shared.catalog import (
     load_catalog,
 )
 from workers.engines.base import Engine
-from projections.shared import memtrace, tracing
-from projections.shared.malloc_tuning import tune_malloc
-from projections.shared.log_limits import install_log_limits
-from projections.shared.policy_checks import PolicySettings, load_policy_check
-from projections.shared.settings import SettingsError, env_value, exit_on_settings_error, log_level
-from projections.shared.metrics_http import MetricsPortUnavailable, start_metrics_server
+from infra.runtime import memtrace, tracing
+from infra.runtime.malloc_tuning import tune_malloc
+from infra.runtime.log_limits import install_log_limits
+from infra.content.policy_checks import PolicySettings, load_policy_check
+from infra.runtime.settings import SettingsError, env_value, exit_on_settings_error, log_level
+from infra.runtime.metrics_http import MetricsPortUnavailable, start_metrics_server
 from workers.metrics import WorkerMetrics
 from workers.settings import WorkerSettings
 from workers.worker import MissingTopics, NullResultSink, ResultSink, Worker
@@ -106,7 +106,7 @@ def build_result_sink(settings: WorkerSettings) -> ResultSink:
     """The Cassandra result store unless ``CHATPLANE_WORKER_RESULT_STORE=none`` (opened lazily, bounded per put)."""
     if settings.result_store == "none":
         return NullResultSink()
-    from projections.readmodel.schema import ReadModelSettings
+    from infra.stores.schema import ReadModelSettings
     from workers.result_sink import CassandraResultSink
 
     # The store opens lazily; its settings (CHATPLANE_CASSANDRA_*) are read now, so a bad value stops the start.
@@ -129,7 +129,7 @@ def build_replay_sink(settings: WorkerSettings) -> Any:
 
     if settings.result_store == "none" or settings.replay_store == "none":
         return NullReplaySink()
-    from projections.readmodel.schema import ReadModelSettings
+    from infra.stores.schema import ReadModelSettings
 
     return CassandraReplaySink(ReadModelSettings())
 

@@ -1,5 +1,5 @@
 """Prometheus metrics of one worker process (and its result sink), served at ``/metrics`` on
-``CHATPLANE_WORKER_METRICS_PORT`` (projections/shared/metrics_http.py; docs/metrics.md).
+``CHATPLANE_WORKER_METRICS_PORT`` (infra/runtime/metrics_http.py; docs/metrics.md).
 
 Where the numbers come from:
 
@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from projections.shared.metrics_http import LATENCY_BUCKETS_S
+from infra.runtime.metrics_http import LATENCY_BUCKETS_S
 from schemas.codes import FinishOutcome, Tier
 from workers.worker import AttemptState, AttemptTrace, DeclineReason, StopReason
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from projections.shared.kafka_settings import kafka_client_kwargs, reply_fetch_max_wait_ms
+from infra.runtime.kafka_settings import kafka_client_kwargs, reply_fetch_max_wait_ms
 from schemas.messages import ChatMessage, PromptPublished
 from schemas.wire import WireError, decode_message
 

@@ -1,4 +1,4 @@
-"""The worker's replay sink: every text delta is stored (``projections.readmodel.replay``) before it is
+"""The worker's replay sink: every text delta is stored (``infra.stores.replay``) before it is
 sent to the edge, so any edge can replay a generation from durable state (issue 16; docs/edge.md,
 "Resumable streams").
 
@@ -53,7 +53,7 @@ class CassandraReplaySink:
             if self.store is None and time.monotonic() - self._opened_at >= self.reopen_interval_s:
                 self._opened_at = time.monotonic()
                 try:
-                    from projections.readmodel.replay import ReplayStore
+                    from infra.stores.replay import ReplayStore
 
                     async with asyncio.timeout(10.0):
                         self.store = await ReplayStore.open(self.settings)

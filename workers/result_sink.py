@@ -4,7 +4,7 @@ before the worker reports completion, so a same-key retry of a completed request
 Data flow::
 
     Worker._run (after the engine's Finished, BEFORE ReportAttemptFinished)
-        --CassandraResultSink.put--> projections.readmodel.results.CassandraResultStore --> results_by_generation
+        --CassandraResultSink.put--> infra.stores.results.CassandraResultStore --> results_by_generation
 
 ``python -m workers`` injects this sink by default (``CHATPLANE_WORKER_RESULT_STORE=cassandra``;
 ``none`` turns it off, and ``workers.Worker`` built in-process keeps ``NullResultSink`` unless told).
@@ -45,8 +45,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from projections.readmodel.schema import ReadModelSettings
-from projections.readmodel.results import CassandraResultStore, ResultTooLarge
+from infra.stores.schema import ReadModelSettings
+from infra.stores.results import CassandraResultStore, ResultTooLarge
 
 log = logging.getLogger("chatplane.workers.results")
 

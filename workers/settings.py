@@ -8,8 +8,8 @@ Every bound has its unit in the name. ``CHATPLANE_*`` variables:
     WORKER_RESULT_STORE (cassandra|none), WORKER_RESULT_PUT_ATTEMPTS_MAX, WORKER_RESULT_PUT_BACKOFF_S,
     WORKER_RESULT_PUT_DEADLINE_S, WORKER_ATTEMPT_TRACES_MAX, WORKER_METRICS_PORT, METRICS_HOST; the result store's Cassandra (CASSANDRA_HOSTS,
     CASSANDRA_PORT, CASSANDRA_KEYSPACE, RESULT_TTL_S) is read by
-    ``projections.readmodel.schema.ReadModelSettings``.
-Parsed and checked by the shared loader (``projections.shared.settings``): a bad value stops the worker
+    ``infra.stores.schema.ReadModelSettings``.
+Parsed and checked by the shared loader (``infra.runtime.settings``): a bad value stops the worker
 at start with one line naming the variable.
 """
 
@@ -20,8 +20,8 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from projections.shared.metrics_http import METRICS_HOST_DEFAULT, METRICS_HOST_ENV
-from projections.shared.settings import SettingsError, env_var, setting
+from infra.runtime.metrics_http import METRICS_HOST_DEFAULT, METRICS_HOST_ENV
+from infra.runtime.settings import SettingsError, env_var, setting
 from schemas.topics import Topology
 
 RESULT_STORES = ("cassandra", "none")

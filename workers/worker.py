@@ -44,8 +44,8 @@ from typing import Any, Protocol, assert_never
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
-from projections.shared.kafka_settings import kafka_client_kwargs, reply_fetch_max_wait_ms, producer_kwargs
-from projections.shared import tracing
+from infra.runtime.kafka_settings import kafka_client_kwargs, reply_fetch_max_wait_ms, producer_kwargs
+from infra.runtime import tracing
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, FinishReason, RejectionCode, RequestStatus
 from schemas.commands import ReplyTo
@@ -72,7 +72,7 @@ from workers.engines.base import (
     TextChunk,
 )
 from workers.engines.base import FinishReason as EngineFinishReason
-from projections.shared.policy_checks import PolicyCheck, output_hold
+from infra.content.policy_checks import PolicyCheck, output_hold
 from workers.settings import WorkerSettings
 from workers.prompts import PromptTopicReader
 from workers.replay_sink import NullReplaySink, ReplaySink
@@ -334,7 +334,7 @@ class Worker:
         policy_check: PolicyCheck | None = None,
     ) -> None:
         self.settings = settings
-        # The output check between decode steps (projections/shared/policy_checks.py); None: none.
+        # The output check between decode steps (infra/content/policy_checks.py); None: none.
         self.policy_check = policy_check
         self.engine = engine
         self.model = model
@@ -816,7 +816,7 @@ class _Attempt:
         self.replay_stored = True  # every delta so far stored before it was sent (workers/replay_sink.py)
         self.send_futures: list[asyncio.Future[Any]] = []
         self.last_sent_at = 0.0
-        # Tracing (projections/shared/tracing.py): the attempt's span and a stop's; None when off.
+        # Tracing (infra/runtime/tracing.py): the attempt's span and a stop's; None when off.
         self.ids = {"generation_id": d.generation_id, "epoch": d.epoch}
         self.span: Any = None
         self.cancel_span: Any = None

@@ -2,7 +2,7 @@
 
 Authority: a conversation's existence, committed revision and deletion are decided by the caller's
 ledger in the processor (``CreateConversation`` / ``DeleteConversation`` on the caller's partition);
-titles and messages are read from Cassandra (``projections.history.store``) through ``edge.history``.
+titles and messages are read from Cassandra (``infra.stores.history``) through ``edge.history``.
 Another user's conversation, an unknown one and a deleted one answer the same ``404 not_found``.
 A store failure is ``503 history_unavailable`` (retryable, Retry-After); stateless generations go on.
 
@@ -30,7 +30,7 @@ from edge.deps import CurrentPrincipal, IdempotencyKey
 from edge.errors import ApiError
 from edge.history import owned_conversation
 from edge.routes.generations import _ERRORS, STRICT_PARSING_NOTE, _STRICT, read_body, validated
-from projections.shared.command_client import DecisionTimeout, TooManyPending
+from infra.runtime.command_client import DecisionTimeout, TooManyPending
 from schemas.codes import RejectionCode
 from schemas.commands import CreateConversation, DeleteConversation
 from schemas.messages import Outcome, OutcomeKind
@@ -251,7 +251,7 @@ async def read_messages(
     # reads the newest page (descending) or nothing (ascending), never the empty buckets beyond.
     newest = row.revision + 1
     cursor = min(before if before is not None else newest, newest) if descending else min(after or 0, row.revision)
-    from projections.history.store import BucketBudget  # imported where used, as edge.history does
+    from infra.stores.history import BucketBudget  # imported where used, as edge.history does
 
     budget = BucketBudget(MESSAGES_BUCKETS_PER_READ_MAX)
     last_seen: int | None = None

@@ -38,8 +38,8 @@ from edge.replay import REPLAY_LOOKUP_WAIT_S, Replay, resume_point
 from edge.settings import EdgeSettings
 from edge import sse
 from edge.streams import GenerationStream, GenerationView, StreamHub
-from projections.shared import tracing
-from projections.shared.command_client import DecisionTimeout, TooManyPending
+from infra.runtime import tracing
+from infra.runtime.command_client import DecisionTimeout, TooManyPending
 from schemas.codes import REJECTIONS, RateLimitScope, RejectionCode, RequestStatus, RetryAttach
 from schemas.commands import CancelGeneration, SubmitGeneration
 from schemas.messages import ChatMessage, Outcome, OutcomeKind, RejectionDetails

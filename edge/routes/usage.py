@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from edge.deps import CurrentPrincipal
 from edge.errors import ApiError, iso_utc
-from projections.shared.command_client import DecisionTimeout, TooManyPending
+from infra.runtime.command_client import DecisionTimeout, TooManyPending
 from schemas.codes import RejectionCode
 from schemas.commands import QueryUsage
 from schemas.messages import Outcome

@@ -1,7 +1,7 @@
 """``python -m infra.k8s.generate``: write the parts of ``infra/k8s`` that are derived from the schema.
 
-Topics and tables are schema (``schemas/topics.py``, ``projections/readmodel/schema.py``,
-``projections/history/store.py``), so the Kubernetes manifests do not spell them by hand:
+Topics and tables are schema (``schemas/topics.py``, ``infra/stores/schema.py``,
+``infra/stores/history.py``), so the Kubernetes manifests do not spell them by hand:
 
 - ``base/topics.yaml``: one Strimzi ``KafkaTopic`` per topic of the deployment (the fixed topics, the
   processor's changelog, and the dispatch and prompts topics of every pool of the default catalog),
@@ -22,9 +22,9 @@ import re
 import sys
 from pathlib import Path
 
-from projections.history.store import history_ddl
-from projections.readmodel.schema import generations_ddl, replay_ddl, results_ddl
-from projections.shared.catalog import DEFAULT_CATALOG_PATH, load_catalog
+from infra.stores.history import history_ddl
+from infra.stores.schema import generations_ddl, replay_ddl, results_ddl
+from infra.models.catalog import DEFAULT_CATALOG_PATH, load_catalog
 from schemas.topics import KEYSPACE, TopicSpec, Topology
 
 K8S_DIR = Path(__file__).resolve().parent
@@ -94,7 +94,7 @@ def keyspace_cql() -> str:
     for cql in (generations_ddl(KEYSPACE), results_ddl(KEYSPACE), replay_ddl(KEYSPACE), *history_ddl(KEYSPACE)):
         if cql not in statements:
             statements.append(cql)
-    header = HEADER.format(source="projections/readmodel/schema.py and projections/history/store.py").replace("#", "--")
+    header = HEADER.format(source="infra/stores/schema.py and infra/stores/history.py").replace("#", "--")
     return header + "".join(f"{s};\n\n" for s in statements).rstrip("\n") + "\n"
 
 

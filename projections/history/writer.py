@@ -45,13 +45,13 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
-from projections.history.store import HistoryStore, HistoryUnavailable, StoredMessage
+from infra.stores.history import HistoryStore, HistoryUnavailable, StoredMessage
 from projections.readmodel.metrics import history_metrics
-from projections.readmodel.schema import ReadModelSettings
-from projections.shared.kafka_settings import kafka_client_kwargs, producer_kwargs
-from projections.shared.log_limits import install_log_limits
-from projections.shared.metrics_http import MetricsPortUnavailable, metrics_port, start_metrics_server
-from projections.shared.settings import SettingsError, env_value, exit_on_settings_error
+from infra.stores.schema import ReadModelSettings
+from infra.runtime.kafka_settings import kafka_client_kwargs, producer_kwargs
+from infra.runtime.log_limits import install_log_limits
+from infra.runtime.metrics_http import MetricsPortUnavailable, metrics_port, start_metrics_server
+from infra.runtime.settings import SettingsError, env_value, exit_on_settings_error
 from schemas import events as ev
 from schemas.commands import CommitAnswer
 from schemas.messages import AnswerSpooled

@@ -27,8 +27,8 @@ from control_plane.invariants import InvariantMonitor, Violation, check_state
 from control_plane.policy import Policy
 from control_plane.state import UserLedger
 from schemas import events as ev
-from projections.shared.settings import env_value
-from projections.shared.topic_reader import read_topic
+from infra.runtime.settings import env_value
+from infra.runtime.topic_reader import read_topic
 from schemas.topics import Topology
 from schemas.wire import WireError, decode_ledger_entry
 

@@ -8,7 +8,7 @@
         the agent's start                    --> remove_monitor_sensor  (App.monitor out of App.sensors)
         the deadline timer                   --> assigned_partitions    (the transport consumer's assignment)
         the app's Kafka clients              --> use_kafka_client_settings (a transport whose consumer and
-                                                  producer carry projections.shared.kafka_settings)
+                                                  producer carry infra.runtime.kafka_settings)
 
 The processor calls faust only through its public API (``App``, ``App.topic``, ``App.Table``,
 ``App.agent``, ``App.timer``, the partition signals, ``Stream.noack``/``events``/``ack``,
@@ -31,7 +31,7 @@ from aiokafka import AIOKafkaConsumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
 
-from projections.shared.kafka_settings import kafka_client_kwargs
+from infra.runtime.kafka_settings import kafka_client_kwargs
 
 # The faust-streaming versions this module was checked against. 0.15.3 is the one the processor's
 # integration tests and benchmarks ran on; a release below 0.16 is assumed to keep the internals used
@@ -77,7 +77,7 @@ async def send_record(
     and ``Consumer.commit`` awaits ``App.producer.flush()`` (which waits for aiokafka's own batches)
     before it commits offsets, so a record sent before its command was acked is in Kafka before
     that command's offset is committed (at-least-once without faust's exactly-once mode). ``headers``
-    (the trace context, projections/shared/tracing.py) go to aiokafka as a list of ``(str, bytes)``.
+    (the trace context, infra/runtime/tracing.py) go to aiokafka as a list of ``(str, bytes)``.
     """
     return await app.producer.send(topic, key, value, partition, None, headers)
 
@@ -241,7 +241,7 @@ class KafkaTransport(faust_aiokafka.Transport):
 
 def use_kafka_client_settings(app: faust.App) -> None:
     """Make ``app`` (just built: before its first topic, table or agent) build its Kafka clients with
-    ``projections.shared.kafka_settings``'s values, as every other client of ours.
+    ``infra.runtime.kafka_settings``'s values, as every other client of ours.
 
     What faust does: the transport (``faust.transport.drivers.aiokafka.Transport``, chosen by the
     broker URL's scheme) builds the consumer in ``AIOKafkaConsumerThread._create_consumer`` and the
@@ -250,7 +250,7 @@ def use_kafka_client_settings(app: faust.App) -> None:
     (aiokafka's default), each try logging one or two lines (issue 13).
 
     Why we bypass it: that pause is the only pacing of aiokafka 0.14's reconnects (it has no
-    ``reconnect_backoff_ms``), see ``projections.shared.kafka_settings``.
+    ``reconnect_backoff_ms``), see ``infra.runtime.kafka_settings``.
 
     Relies on: ``App.transport`` and ``App.producer_transport`` setters (the app builds its consumer,
     producer and conductor lazily from them); a transport's ``Consumer``/``Producer`` class attributes

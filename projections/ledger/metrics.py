@@ -1,5 +1,5 @@
 """Prometheus metrics of the admission processor, served at ``/metrics`` on
-``CHATPLANE_PROCESSOR_METRICS_PORT`` (projections/shared/metrics_http.py; docs/metrics.md).
+``CHATPLANE_PROCESSOR_METRICS_PORT`` (infra/runtime/metrics_http.py; docs/metrics.md).
 
 Where the numbers come from:
 
@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from control_plane.state import UserLedger
-from projections.shared.metrics_http import LoopHistogram
+from infra.runtime.metrics_http import LoopHistogram
 from schemas import events as ev
 from schemas.codes import CancelReason, RejectionCode, RequestStatus
 from schemas.commands import COMMAND_TYPES, SubmitGeneration

@@ -25,7 +25,7 @@ from collections import OrderedDict
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from projections.shared.kafka_settings import kafka_client_kwargs
+from infra.runtime.kafka_settings import kafka_client_kwargs
 from schemas.messages import EdgePresence
 from schemas.topics import Topology
 from schemas.wire import WireError, decode_message

@@ -51,14 +51,14 @@ from control_plane.decide import attached_reader, attached_readers, next_deadlin
 from control_plane.routing import route
 from projections.ledger import faust_adapter
 from projections.ledger.metrics import ProcessorMetrics
-from projections.shared.gc_tuning import tune_gc
-from projections.shared.kafka_admin import TopologyError, assert_copartitioned, assert_topology
-from projections.shared.kafka_settings import kafka_client_kwargs, kafka_compression
-from projections.shared import memtrace, tracing
-from projections.shared.malloc_tuning import tune_malloc
-from projections.shared.log_limits import install_log_limits
-from projections.shared.metrics_http import MetricsPortUnavailable, start_metrics_server
-from projections.shared.settings import SettingsError, exit_on_settings_error, log_level
+from infra.runtime.gc_tuning import tune_gc
+from infra.runtime.kafka_admin import TopologyError, assert_copartitioned, assert_topology
+from infra.runtime.kafka_settings import kafka_client_kwargs, kafka_compression
+from infra.runtime import memtrace, tracing
+from infra.runtime.malloc_tuning import tune_malloc
+from infra.runtime.log_limits import install_log_limits
+from infra.runtime.metrics_http import MetricsPortUnavailable, start_metrics_server
+from infra.runtime.settings import SettingsError, exit_on_settings_error, log_level
 from projections.ledger.settings import ProcessorSettings
 from projections.ledger.presence import PresenceReader, PresenceView, monotonic_ms
 from projections.ledger.read_stamps import recall_read_stamps

@@ -1,5 +1,5 @@
 """Settings of the admission processor (``python -m projections.ledger.processor``), read from the
-environment once at start-up by the shared loader (``projections.shared.settings``)."""
+environment once at start-up by the shared loader (``infra.runtime.settings``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import socket
 from dataclasses import dataclass, field
 
 from control_plane.policy import Policy
-from projections.shared.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
-from projections.shared.metrics_http import METRICS_HOST_DEFAULT, METRICS_HOST_ENV
-from projections.shared.settings import policy_from_env, setting
+from infra.runtime.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
+from infra.runtime.metrics_http import METRICS_HOST_DEFAULT, METRICS_HOST_ENV
+from infra.runtime.settings import policy_from_env, setting
 from schemas.topics import Topology
 
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of the read-side consumers: the read-model projection (``python -m
 projections.readmodel``, ``CHATPLANE_READMODEL_METRICS_PORT``) and the history writer (``python -m
-projections.history``, ``CHATPLANE_HISTORY_METRICS_PORT``). Served by projections/shared/metrics_http.py;
+projections.history``, ``CHATPLANE_HISTORY_METRICS_PORT``). Served by infra/runtime/metrics_http.py;
 every series is in docs/metrics.md.
 
 Both are read when Prometheus scrapes, from the process's stats object (``ProjectionStats``,

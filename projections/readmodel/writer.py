@@ -47,15 +47,15 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
-from projections.shared.cassandra import execute
-from projections.shared.kafka_settings import kafka_client_kwargs, producer_kwargs
-from projections.shared import memtrace, tracing
-from projections.shared.malloc_tuning import tune_malloc
-from projections.shared.log_limits import install_log_limits
-from projections.shared.metrics_http import MetricsPortUnavailable, metrics_port, start_metrics_server
-from projections.shared.settings import SettingsError, env_value, exit_on_settings_error
+from infra.stores.cassandra import execute
+from infra.runtime.kafka_settings import kafka_client_kwargs, producer_kwargs
+from infra.runtime import memtrace, tracing
+from infra.runtime.malloc_tuning import tune_malloc
+from infra.runtime.log_limits import install_log_limits
+from infra.runtime.metrics_http import MetricsPortUnavailable, metrics_port, start_metrics_server
+from infra.runtime.settings import SettingsError, env_value, exit_on_settings_error
 from projections.readmodel.metrics import readmodel_metrics
-from projections.readmodel.schema import (
+from infra.stores.schema import (
     GENERATION_COLUMNS,
     ReadModelSettings,
     close_cluster,

@@ -61,7 +61,7 @@ from bench.stackrun import Stack  # noqa: E402
 from control_plane.invariants import check_state  # noqa: E402
 from control_plane.policy import Policy  # noqa: E402
 from projections.ledger.audit import audit  # noqa: E402
-from projections.shared.topic_reader import read_topic  # noqa: E402
+from infra.runtime.topic_reader import read_topic  # noqa: E402
 from schemas import events as ev  # noqa: E402
 from schemas.codes import RejectionCode, ReservationState, Tier  # noqa: E402
 from schemas.wire import decode_ledger_entry  # noqa: E402

@@ -76,7 +76,7 @@ GPU_ALIAS = "gpu-check-model"
 
 def write_catalog(model_dir: Path, into: Path) -> Path:
     """A catalog naming the local SGLang model (its directory digest pinned), read by every process here."""
-    from projections.shared.catalog import weights_digest
+    from infra.models.catalog import weights_digest
 
     path = into / "models.toml"
     path.write_text(
@@ -90,9 +90,9 @@ def write_catalog(model_dir: Path, into: Path) -> Path:
 async def end_to_end(engine: SGLangEngine, bootstrap: str, model_dir: Path) -> None:
     import tempfile
 
-    from projections.shared.catalog import load_catalog
-    from projections.shared.command_client import CommandClient
-    from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics
+    from infra.models.catalog import load_catalog
+    from infra.runtime.command_client import CommandClient
+    from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics
     from schemas.codes import RequestStatus
     from schemas.topics import Topology
     from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding

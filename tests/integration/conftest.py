@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from projections.shared.command_client import CommandClient
-from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics
+from infra.runtime.command_client import CommandClient
+from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics
 from schemas.topics import Topology
 from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding
 

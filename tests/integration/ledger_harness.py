@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from projections.shared.command_client import CommandClient, DecisionTimeout
+from infra.runtime.command_client import CommandClient, DecisionTimeout
 from schemas.commands import ReconcileDue
 from schemas.messages import Outcome
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from projections.ledger.audit import Auditor
-from projections.shared.topic_reader import read_topic
-from projections.shared.command_client import CommandClient
+from infra.runtime.topic_reader import read_topic
+from infra.runtime.command_client import CommandClient
 from schemas import events as ev
 from schemas.codes import FinishOutcome, Tier
 from schemas.commands import AcceptAttempt, ReportAttemptFinished, SubmitGeneration
@@ -222,7 +222,7 @@ async def expected_from_ledger(bootstrap: str, topology: Topology) -> dict[str, 
 
 
 async def read_rows(session: Any, keyspace: str) -> dict[str, Any]:
-    from projections.shared.cassandra import execute
+    from infra.stores.cassandra import execute
 
     rows = await execute(
         session,

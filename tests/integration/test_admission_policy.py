@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from projections.ledger.audit import audit
-from projections.shared.topic_reader import read_topic
+from infra.runtime.topic_reader import read_topic
 from schemas import commands as cmd
 from schemas import events as ev
 from schemas.codes import RejectionCode

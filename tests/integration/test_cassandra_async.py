@@ -1,4 +1,4 @@
-"""cassandra-driver from asyncio through projections.shared.cassandra: prepared statements, TTL expiry,
+"""cassandra-driver from asyncio through infra.stores.cassandra: prepared statements, TTL expiry,
 paging, errors and the client-side timeout."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 from cassandra import InvalidRequest
 
-from projections.shared.cassandra import execute
+from infra.stores.cassandra import execute
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from projections.shared.catalog import load_catalog
-from projections.shared.command_client import CommandClient
-from projections.shared.kafka_admin import deployment_topics, ensure_topics
+from infra.models.catalog import load_catalog
+from infra.runtime.command_client import CommandClient
+from infra.runtime.kafka_admin import deployment_topics, ensure_topics
 from schemas import events as ev
 from schemas.codes import RequestStatus
 from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding

@@ -11,10 +11,10 @@ import functools
 import pytest
 
 from edge.context import CONTEXT_PAGE_SIZE, HistoryItem, build_context, history_page_reader
-from projections.history.store import HistoryStore, StoredMessage, bucket_of
-from projections.readmodel.schema import ReadModelSettings
-from projections.shared.catalog import load_catalog
-from projections.shared.tokens import count_input_tokens, count_message_tokens, vocabulary_path
+from infra.stores.history import HistoryStore, StoredMessage, bucket_of
+from infra.stores.schema import ReadModelSettings
+from infra.models.catalog import load_catalog
+from infra.models.tokens import count_input_tokens, count_message_tokens, vocabulary_path
 from schemas.messages import ChatMessage
 from tests.unit.test_context_tokenizer import ALIAS, MAX_OUTPUT_TOKENS, TURNS, conversation, tokenizer_count
 

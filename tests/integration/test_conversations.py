@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from projections.ledger.audit import audit
-from projections.shared.cassandra import execute
+from infra.stores.cassandra import execute
 from schemas import events as ev
 from schemas.messages import PromptPublished
 from schemas.topics import RESULTS_TABLE
@@ -144,8 +144,8 @@ async def test_a_turn_s_context_is_the_history_the_engine_sees_and_its_token_cou
     page = (await stack.messages(user, cid, limit=200)).json()["data"]
     history = [(m["role"], m["content"]) for m in page if m["seq"] <= revision]
     assert [(m.role, m.content) for m in prompt.messages] == [*history, ("user", "the last question")]
-    from projections.shared.catalog import load_catalog
-    from projections.shared.tokens import count_input_tokens
+    from infra.models.catalog import load_catalog
+    from infra.models.tokens import count_input_tokens
 
     expected_tokens = count_input_tokens(load_catalog().get(MODEL), [(m.role, m.content) for m in prompt.messages])
     assert r.json()["usage"]["input_tokens"] == expected_tokens
@@ -398,7 +398,7 @@ def _extreme_values(schema: dict[str, Any]) -> list[Any]:
         values += schema.get("enum", []) + ["asc", "desc", "active", "all", "DESC"]
         if "maxLength" in schema:
             values += ["y" * schema["maxLength"], "y" * (schema["maxLength"] + 1)]
-        from projections.history.store import encode_cursor
+        from infra.stores.history import encode_cursor
 
         values += [encode_cursor(2**63, "conv_x"), encode_cursor(10**30, "conv_x"), encode_cursor(0, "conv_x")]
     return values
@@ -409,7 +409,7 @@ async def test_extreme_query_values_of_every_route_get_a_typed_answer_and_a_boun
     and past them: a typed answer, never a 5xx nor a retryable 503, and no messages read touching more
     than ``MESSAGES_BUCKETS_PER_READ_MAX`` buckets (counted by the store, not timed)."""
     from edge.routes.conversations import MESSAGES_BUCKETS_PER_READ_MAX
-    from projections.history.store import MESSAGES_PER_BUCKET
+    from infra.stores.history import MESSAGES_PER_BUCKET
 
     user = f"u-{uuid.uuid4().hex[:8]}"
     cid = (await stack.create(user))["id"]

@@ -26,9 +26,9 @@ from control_plane.aggregate import Aggregate, handle
 from control_plane.routing import route
 from projections.ledger.audit import audit
 from projections.ledger.processor import user_partition
-from projections.shared.command_client import DecisionTimeout
-from projections.shared.settings import policy_from_env
-from projections.shared.topic_reader import read_topic
+from infra.runtime.command_client import DecisionTimeout
+from infra.runtime.settings import policy_from_env
+from infra.runtime.topic_reader import read_topic
 from schemas import commands as cmd
 from schemas import events as ev
 from schemas.codes import RejectionCode, RequestStatus, Tier

@@ -15,7 +15,7 @@ import uuid
 import httpx_sse
 import pytest
 
-from projections.shared.topic_reader import read_topic
+from infra.runtime.topic_reader import read_topic
 from schemas import events as ev
 from schemas.wire import decode_ledger_entry
 from tests.integration.test_edge_harness import FakeSimWorker, edge_process_factory  # noqa: F401 (fixture)

@@ -33,7 +33,7 @@ from edge.__main__ import uvicorn_config
 from edge.app import create_app
 from edge.auth import mint
 from edge.settings import EdgeSettings
-from projections.shared.command_client import CommandClient
+from infra.runtime.command_client import CommandClient
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, OutcomeKind, PromptPayload, PromptRequest, TextDelta

@@ -20,7 +20,7 @@ import pytest
 
 from schemas import events as ev
 from schemas.codes import CancelReason
-from projections.shared.topic_reader import read_topic
+from infra.runtime.topic_reader import read_topic
 from schemas.wire import decode_ledger_entry
 from tests.integration.test_edge_harness import FakeSimWorker, edge_settings, serve_edge
 

@@ -12,7 +12,7 @@ import uuid
 import httpx_sse
 import pytest
 
-from projections.shared.topic_reader import read_topic
+from infra.runtime.topic_reader import read_topic
 from schemas.codes import RequestStatus
 from schemas.events import CancelRequested, GenerationAdmitted
 from schemas.wire import decode_ledger_entry

@@ -48,9 +48,9 @@ from aiokafka.protocol.group import MemberAssignment
 
 from edge.auth import mint
 from projections.ledger.audit import audit
-from projections.shared.command_client import CommandClient
-from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics
-from projections.shared.topic_reader import read_topic
+from infra.runtime.command_client import CommandClient
+from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics
+from infra.runtime.topic_reader import read_topic
 from schemas import events as ev
 from schemas.codes import Tier
 from schemas.messages import Outcome
@@ -309,7 +309,7 @@ class Fleet:
 # it whole, the second breaks it (a processor leaves, an edge is killed) and then reads the log of both.
 @pytest.fixture(scope="module")
 async def fleet(kafka_bootstrap, cassandra_hosts, cassandra_port, cassandra_session, tmp_path_factory):
-    from projections.shared.cassandra import execute
+    from infra.stores.cassandra import execute
 
     assert nginx_binary(), "nginx is not installed: run infra/nginx-install (make test does)"
     log_dir = tmp_path_factory.mktemp("fleet")

@@ -1,4 +1,4 @@
-"""The conversation history store (``projections.history.store``) on the real Cassandra: messages across
+"""The conversation history store (``infra.stores.history``) on the real Cassandra: messages across
 bucket boundaries and bounded reads, the sidebar index (ordering, cursor paging, moves), deletion of
 every row a conversation left, the user-turn spool's TTL, and ``HistoryUnavailable`` for an
 unreachable or failing Cassandra.
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from projections.history.store import (
+from infra.stores.history import (
     CONVERSATIONS_BY_USER_TABLE,
     CONVERSATIONS_PAGE_MAX,
     CONVERSATIONS_TABLE,
@@ -36,9 +36,9 @@ from projections.history.store import (
     decode_cursor,
     encode_cursor,
 )
-from projections.readmodel.results import CassandraResultStore
-from projections.readmodel.schema import ReadModelSettings
-from projections.shared.cassandra import execute
+from infra.stores.results import CassandraResultStore
+from infra.stores.schema import ReadModelSettings
+from infra.stores.cassandra import execute
 from schemas.topics import RESULTS_TABLE
 
 pytestmark = pytest.mark.integration
@@ -185,7 +185,7 @@ async def test_messages_span_buckets_and_reads_are_bounded(store, settings, cass
 
 
 async def test_a_bucket_budget_bounds_a_read_whatever_its_cursor(store):
-    from projections.history.store import BucketBudget
+    from infra.stores.history import BucketBudget
 
     cid = new_id("c")
     n = 2 * B + 5

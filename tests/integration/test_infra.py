@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from projections.shared.cassandra import execute
-from projections.shared.kafka_admin import deployment_topics
+from infra.stores.cassandra import execute
+from infra.runtime.kafka_admin import deployment_topics
 from schemas import topics as T
 
 pytestmark = pytest.mark.integration

@@ -11,9 +11,9 @@ from collections import Counter, defaultdict
 import pytest
 
 from projections.ledger.audit import audit
-from projections.shared.catalog import load_catalog
-from projections.shared.topic_reader import read_topic
-from projections.shared.command_client import CommandClient, DecisionTimeout
+from infra.models.catalog import load_catalog
+from infra.runtime.topic_reader import read_topic
+from infra.runtime.command_client import CommandClient, DecisionTimeout
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, Outcome, OutcomeKind

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from projections.shared.catalog import DEFAULT_CATALOG_PATH, load_catalog
+from infra.models.catalog import DEFAULT_CATALOG_PATH, load_catalog
 from schemas import events as ev
 from tests.integration.readmodel_load import ProjectionProcess
 from tests.integration.test_edge_harness import edge_settings, serve_edge

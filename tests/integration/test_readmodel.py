@@ -18,13 +18,13 @@ import uuid
 
 import pytest
 
-from projections.shared.catalog import load_catalog
-from projections.shared.topic_reader import read_topic
-from projections.shared.cassandra import execute
-from projections.readmodel.queries import GenerationReader, ResultState, ResultUnavailable
+from infra.models.catalog import load_catalog
+from infra.runtime.topic_reader import read_topic
+from infra.stores.cassandra import execute
+from infra.stores.queries import GenerationReader, ResultState, ResultUnavailable
 from projections.readmodel.writer import GenerationWriter, RowUpdate
-from projections.readmodel.schema import ReadModelSettings, ensure_schema
-from projections.readmodel.results import CassandraResultStore
+from infra.stores.schema import ReadModelSettings, ensure_schema
+from infra.stores.results import CassandraResultStore
 from schemas import events as ev
 from schemas.codes import RequestStatus
 from schemas.messages import OutcomeKind
@@ -219,7 +219,7 @@ async def test_usage_report_totals_equal_ledger_sums(running_processor, client, 
 
     chart = tmp_path / "usage.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "projections.readmodel.usage_report", "--json", "--bootstrap", client.bootstrap,
+        [sys.executable, "-m", "projections.reports.usage", "--json", "--bootstrap", client.bootstrap,
          "--namespace", client.topology.namespace, "--from", str(t_from), "--to", str(t_to), "--chart", str(chart)],
         cwd=ROOT, capture_output=True, text=True, timeout=REPORT_TIMEOUT_S,
     )
@@ -240,7 +240,7 @@ async def test_a_table_created_before_columns_were_added_gains_them_and_its_old_
     """An existing keyspace keeps its table: ``ensure_schema`` adds the columns added since (a turn's
     conversation and revision among them), and a row written before them reads as before, without a
     turn."""
-    from projections.readmodel.schema import ADDED_GENERATION_COLUMNS, GENERATION_COLUMNS
+    from infra.stores.schema import ADDED_GENERATION_COLUMNS, GENERATION_COLUMNS
     from schemas.topics import GENERATIONS_TABLE
 
     ks = rm_settings.keyspace

@@ -17,8 +17,8 @@ import uuid
 
 import pytest
 
-from projections.shared.cassandra import execute
-from projections.readmodel.schema import ReadModelSettings
+from infra.stores.cassandra import execute
+from infra.stores.schema import ReadModelSettings
 from schemas import events as ev
 from schemas.topics import GENERATIONS_TABLE, RESULTS_TABLE
 from tests.integration.readmodel_load import ProjectionProcess

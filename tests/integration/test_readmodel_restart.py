@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from projections.readmodel.queries import GenerationReader, ReadModelUnavailable
-from projections.readmodel.schema import ReadModelSettings, close_cluster, open_session
+from infra.stores.queries import GenerationReader, ReadModelUnavailable
+from infra.stores.schema import ReadModelSettings, close_cluster, open_session
 from tests.integration.readmodel_load import (
     ROOT,
     FakeWorker,

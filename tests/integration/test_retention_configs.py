@@ -1,5 +1,5 @@
 """The retention settings of docs/retention.md are what the broker actually holds, on both creation
-paths (``projections.shared.kafka_admin.ensure_topics`` and ``infra/create-topics``, whose second run
+paths (``infra.runtime.kafka_admin.ensure_topics`` and ``infra/create-topics``, whose second run
 re-applies the configs to existing topics)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import uuid
 import pytest
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from projections.shared.kafka_admin import delete_topics, deployment_topics, ensure_topics
+from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics
 from schemas import topics as T
 from tests.integration.test_infra import run
 

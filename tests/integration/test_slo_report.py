@@ -1,6 +1,6 @@
 """The SLO report over a real stack's window (docs/slo.md): a ``python -m edge`` process, the real
 processor and a ``python -m workers --engine sim`` worker (the one fake: no GPU) serve a few
-requests, refusals among them; then ``python -m projections.slo --json`` over that window counts
+requests, refusals among them; then ``python -m projections.reports.slo --json`` over that window counts
 exactly what was sent, from the outcomes and ledger topics.
 """
 
@@ -40,7 +40,7 @@ def _body(tokens: int, stream: bool) -> dict[str, Any]:
 
 async def _slo(namespace: str, bootstrap: str, start: str, end: str, *extra: str) -> dict[str, Any]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "projections.slo", "--from", start, "--to", end, "--json", *extra, cwd=ROOT,
+        sys.executable, "-m", "projections.reports.slo", "--from", start, "--to", end, "--json", *extra, cwd=ROOT,
         env={**os.environ, "CHATPLANE_KAFKA_BOOTSTRAP": bootstrap, "CHATPLANE_NAMESPACE": namespace},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )

@@ -23,9 +23,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from projections.readmodel.schema import ReadModelSettings
+from infra.stores.schema import ReadModelSettings
 from projections.readmodel.writer import ReadModelProjection
-from projections.shared import tracing
+from infra.runtime import tracing
 from tests.integration.ledger_harness import wait_until_deciding
 from tests.integration.test_edge_harness import edge_settings, serve_edge
 from tests.integration.workers_harness import served, worker_settings

@@ -14,7 +14,7 @@ import uuid
 import httpx_sse
 import pytest
 
-from projections.shared.topic_reader import read_topic
+from infra.runtime.topic_reader import read_topic
 from schemas import events as ev
 from schemas.codes import FinishOutcome, RejectionCode, RequestStatus
 from schemas import commands as cmd

@@ -24,9 +24,9 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from control_plane.decide import generation_id_for
-from projections.shared.topic_reader import read_topic
-from projections.shared.catalog import CatalogModel, load_catalog
-from projections.shared.command_client import CommandClient
+from infra.runtime.topic_reader import read_topic
+from infra.models.catalog import CatalogModel, load_catalog
+from infra.runtime.command_client import CommandClient
 from schemas import commands as cmd
 from schemas.codes import Tier
 from schemas.messages import ChatMessage, GenerationFinalized, PromptPayload, PromptPublished, PromptRequest, TextDelta

@@ -17,7 +17,7 @@ from schemas.commands import ReplyTo
 # 2026-11-06T15:00:00Z: the start of a UTC 3-hour window (15:00-18:00), as in the seed's example.
 T0 = 1_762_441_200_000
 REPLY = ReplyTo(topic="chatplane.edge-inbox", partition=0, request_id="req")
-# The core's view of the default catalog's model (projections/shared/models.toml).
+# The core's view of the default catalog's model (infra/models/models.toml).
 TEST_MODELS = {
     "fast-text-model": ModelEntry(
         "fast-text-model", "smollm2-135m-instruct-q4_1@sha256:b179c9523d0e", "smollm2-135m-instruct-q4_1", frozenset(Tier)

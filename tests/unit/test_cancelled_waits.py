@@ -16,7 +16,7 @@ import pytest
 from edge.metrics import EdgeMetrics
 from edge.settings import EdgeSettings
 from edge.streams import GenerationStream, StreamHub
-from projections.shared.command_client import CommandClient
+from infra.runtime.command_client import CommandClient
 from schemas.codes import CancelReason, Tier
 from schemas.commands import CancelGeneration
 from schemas.messages import Outcome, OutcomeKind

@@ -1,4 +1,4 @@
-"""``projections.shared.cassandra.named_tuple_rows``: the driver's default rows, with the row class built
+"""``infra.stores.cassandra.named_tuple_rows``: the driver's default rows, with the row class built
 once per column list instead of once per result set."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from cassandra.query import named_tuple_factory
 
-from projections.shared.cassandra import named_tuple_rows
+from infra.stores.cassandra import named_tuple_rows
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The one model catalog (projections.shared.catalog): the default file, validation with one-line
+"""The one model catalog (infra.models.catalog): the default file, validation with one-line
 errors, pinned versions and weights, tier access, and every process resolving the same versions."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from projections.shared.catalog import (
+from infra.models.catalog import (
     DEFAULT_CATALOG_PATH,
     CatalogError,
     EngineKind,
@@ -22,7 +22,7 @@ from projections.shared.catalog import (
     parse_catalog,
     weights_digest,
 )
-from projections.shared.tokens import count_input_tokens, fallback_token_estimate
+from infra.models.tokens import count_input_tokens, fallback_token_estimate
 from schemas.codes import Tier
 from tests.models import SIM_ALIAS, TEST_CATALOG_PATH
 

@@ -28,8 +28,8 @@ from edge.context import (
     build_context,
     history_page_reader,
 )
-from projections.shared.catalog import CatalogModel, load_catalog, parse_catalog
-from projections.shared.tokens import (
+from infra.models.catalog import CatalogModel, load_catalog, parse_catalog
+from infra.models.tokens import (
     FALLBACK_BYTES_PER_TOKEN,
     FALLBACK_TOKENS_PER_MESSAGE,
     count_input_tokens,
@@ -286,7 +286,7 @@ def test_the_count_cache_is_bounded_and_drops_the_least_recently_used():
 
 @dataclass(frozen=True)
 class Stored:
-    """The fields of ``projections.history.store.StoredMessage`` that the page reader uses."""
+    """The fields of ``infra.stores.history.StoredMessage`` that the page reader uses."""
 
     seq: int
     role: str

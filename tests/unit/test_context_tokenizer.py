@@ -14,8 +14,8 @@ import random
 import pytest
 
 from edge.context import HistoryItem, build_context
-from projections.shared.catalog import load_catalog
-from projections.shared.tokens import (
+from infra.models.catalog import load_catalog
+from infra.models.tokens import (
     count_input_tokens,
     count_message_tokens,
     fallback_token_estimate,
@@ -51,7 +51,7 @@ def tokenizer_count(path: str, system: str, messages) -> int:
     template's text with special tokens parsed and every content as plain text."""
     from llama_cpp import Llama
 
-    from projections.shared.tokens import llama_chat_render, llama_prompt_ids
+    from infra.models.tokens import llama_chat_render, llama_prompt_ids
 
     vocab = Llama(model_path=path, vocab_only=True, verbose=False)
     try:

@@ -247,7 +247,7 @@ def test_every_code_renders_its_table_row_and_retry_after_where_it_applies():
 
 
 async def test_decision_timeout_fails_closed_as_quota_service_unavailable():
-    from projections.shared.command_client import DecisionTimeout
+    from infra.runtime.command_client import DecisionTimeout
 
     settings, _, fake, http = make(answer=lambda c: DecisionTimeout("late"))
     async with http:
@@ -420,7 +420,7 @@ async def test_a_late_event_loop_sheds_as_capacity_exhausted_and_zero_turns_a_si
 
 async def test_admission_down_is_a_503_on_its_own_endpoint_while_readyz_stays_200():
     from edge.admission import probe_user_id
-    from projections.shared.command_client import DecisionTimeout
+    from infra.runtime.command_client import DecisionTimeout
     from schemas.commands import ReconcileDue
 
     settings, app, fake, http = make(answer=lambda c: DecisionTimeout("late"), inbox_partition=3)
@@ -802,8 +802,8 @@ def test_every_429_and_503_carries_retry_after_even_without_a_delay_from_the_dec
 
 async def test_input_tokens_are_counted_with_the_models_tokenizer():
     from edge.tokens import estimate_input_tokens
-    from projections.shared.catalog import load_catalog
-    from projections.shared.tokens import count_input_tokens, vocabulary_path
+    from infra.models.catalog import load_catalog
+    from infra.models.tokens import count_input_tokens, vocabulary_path
 
     messages = (ChatMessage("user", "Explain TCP congestion control. " * 20),)
     model = load_catalog().get("fast-text-model")
@@ -907,7 +907,7 @@ def test_a_turn_s_terminal_event_names_the_revision_the_next_turn_sends():
 
 
 def test_a_list_cursor_past_cassandra_s_bigint_is_an_invalid_cursor_not_a_store_failure():
-    from projections.history.store import BIGINT_MAX, decode_cursor, encode_cursor
+    from infra.stores.history import BIGINT_MAX, decode_cursor, encode_cursor
 
     assert decode_cursor(encode_cursor(BIGINT_MAX, "conv_a")) == (BIGINT_MAX, "conv_a")
     for value in (BIGINT_MAX + 1, 10**30):
@@ -916,7 +916,7 @@ def test_a_list_cursor_past_cassandra_s_bigint_is_an_invalid_cursor_not_a_store_
 
 
 def test_a_bucket_budget_stops_a_read_and_says_it_ran_out():
-    from projections.history.store import BucketBudget
+    from infra.stores.history import BucketBudget
 
     budget = BucketBudget(2)
     assert budget.take() and budget.take() and not budget.ran_out

@@ -23,7 +23,7 @@ from edge.body import BODY_ROUTES
 from edge.errors import NO_SUCH_ROUTE, not_found_message
 from edge.routes.ui import first_token_ms_max
 from edge.settings import EdgeSettings
-from projections.shared.catalog import load_catalog
+from infra.models.catalog import load_catalog
 from schemas.codes import REJECTIONS, RejectionCode, Tier
 from tests.unit.test_edge import BODY, FakeDecider, assert_typed, hdrs, make
 
@@ -250,8 +250,8 @@ async def test_models_created_is_the_catalogs_time_not_zero():
 
 
 async def test_store_failures_and_bugs_have_codes_of_their_own_apart_from_admission(monkeypatch):
-    from projections.readmodel import replay as replay_store
-    from projections.readmodel.queries import ReadModelUnavailable
+    from infra.stores import replay as replay_store
+    from infra.stores.queries import ReadModelUnavailable
 
     class DownReader:
         async def get(self, *args, **kwargs):

@@ -26,7 +26,7 @@ import tempfile
 import pytest
 
 from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, Message, TextChunk
-from projections.shared.prompt_framing import FramingError
+from infra.models.prompt_framing import FramingError
 from workers.engines.sglang import RID_HEX_CHARS, ChunkAdapter, EngineHost, SGLangEngine, hf_prompt_ids, new_rid
 from workers.engines.sim import SimConfig, SimulatedEngine
 

@@ -332,7 +332,7 @@ async def test_set_consumer_retry_backoff_sets_every_place_the_constructor_keeps
 async def test_the_transport_builds_its_consumer_and_producer_through_the_overridden_methods():
     import asyncio
 
-    from projections.shared.kafka_settings import KAFKA_RETRY_BACKOFF_MS
+    from infra.runtime.kafka_settings import KAFKA_RETRY_BACKOFF_MS
 
     app = new_app()
     assert app._transport is None and app._producer_transport is None  # built lazily: the setters come first

@@ -1,4 +1,4 @@
-"""projections.shared.gc_tuning: the processor's and the edge's cyclic-GC settings (run in a fresh
+"""infra.runtime.gc_tuning: the processor's and the edge's cyclic-GC settings (run in a fresh
 interpreter so the test process keeps its own)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 PROBE = """
 import gc, sys
-from projections.shared.gc_tuning import tune_gc
+from infra.runtime.gc_tuning import tune_gc
 before = gc.get_threshold()
 tune_gc(int(sys.argv[1]))
 print(before[0], gc.get_threshold()[0], gc.get_freeze_count() > 0)

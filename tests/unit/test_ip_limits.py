@@ -9,7 +9,7 @@ import pytest
 from edge.client_ip import ClientAddresses, IpLimiter, parse_address, parse_networks
 from edge.ratelimit import TokenBuckets
 from edge.settings import EdgeSettings
-from projections.shared.settings import SettingsError
+from infra.runtime.settings import SettingsError
 
 ip = ipaddress.ip_address
 PROXIES = parse_networks("10.0.0.0/8, 127.0.0.1, fd00::/8")

@@ -32,8 +32,8 @@ import yaml
 
 from edge.settings import EdgeSettings
 from infra.k8s import generate
-from projections.shared.catalog import DEFAULT_CATALOG_PATH, load_catalog
-from projections.shared.kafka_admin import deployment_topics
+from infra.models.catalog import DEFAULT_CATALOG_PATH, load_catalog
+from infra.runtime.kafka_admin import deployment_topics
 from schemas import topics as T  # noqa: N812
 from workers.worker import DRAIN_TIMEOUT_S
 

@@ -1,4 +1,4 @@
-"""Every Kafka client of ours paces its retries the same way (``projections.shared.kafka_settings``).
+"""Every Kafka client of ours paces its retries the same way (``infra.runtime.kafka_settings``).
 
 aiokafka 0.14 reconnects to a dead broker as often as its callers retry, and they wait
 ``retry_backoff_ms`` between tries (issue 13: a broker restart wrote tens of thousands of lines).
@@ -19,7 +19,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from projections.shared.kafka_settings import KAFKA_RETRY_BACKOFF_MS, kafka_client_kwargs
+from infra.runtime.kafka_settings import KAFKA_RETRY_BACKOFF_MS, kafka_client_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT_PACKAGES = ("projections", "edge", "workers")
@@ -61,7 +61,7 @@ def test_every_kafka_client_in_the_product_is_built_with_the_shared_kwargs():
 
 
 def test_producer_kwargs_are_the_shared_ones_plus_the_compression(monkeypatch):
-    from projections.shared.kafka_settings import producer_kwargs
+    from infra.runtime.kafka_settings import producer_kwargs
 
     monkeypatch.delenv("CHATPLANE_KAFKA_COMPRESSION", raising=False)
     assert producer_kwargs() == {**kafka_client_kwargs(), "compression_type": "lz4"}
@@ -73,7 +73,7 @@ def test_producer_kwargs_are_the_shared_ones_plus_the_compression(monkeypatch):
 
 
 async def test_every_codec_offered_is_usable_by_aiokafka():
-    from projections.shared.kafka_settings import KAFKA_COMPRESSIONS
+    from infra.runtime.kafka_settings import KAFKA_COMPRESSIONS
 
     for codec in KAFKA_COMPRESSIONS:
         producer = AIOKafkaProducer(bootstrap_servers=BOOTSTRAP, compression_type=None if codec == "none" else codec)

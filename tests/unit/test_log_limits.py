@@ -1,4 +1,4 @@
-"""The bound on repeated log lines (``projections.shared.log_limits``), on a fake clock.
+"""The bound on repeated log lines (``infra.runtime.log_limits``), on a fake clock.
 
 A storm of one (logger, template) lets ``burst_max`` lines through per window and then writes one
 summary line; other templates, other loggers and lines below WARNING are not affected; and every
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from projections.shared.log_limits import LOG_REPEATS_PER_INTERVAL_MAX, RepeatedLogFilter, install_log_limits
+from infra.runtime.log_limits import LOG_REPEATS_PER_INTERVAL_MAX, RepeatedLogFilter, install_log_limits
 
 ROOT = Path(__file__).resolve().parents[2]
 

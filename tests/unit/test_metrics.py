@@ -25,7 +25,7 @@ from projections.ledger.processor import ProcessorStats
 from projections.readmodel.metrics import history_metrics, readmodel_metrics
 from projections.readmodel.writer import ProjectionStats
 from projections.history.writer import HistoryStats
-from projections.shared.metrics_http import LoopHistogram, MetricsPortUnavailable, MetricsServer, start_metrics_server
+from infra.runtime.metrics_http import LoopHistogram, MetricsPortUnavailable, MetricsServer, start_metrics_server
 from schemas.codes import FinishOutcome, Tier
 from schemas.topics import Topology
 from tests.integration.workers_harness import served, worker_settings
@@ -360,9 +360,9 @@ def test_the_dashboard_shows_the_four_objectives_and_the_four_refusals_apart():
 
 
 def test_the_dashboards_availability_counts_the_service_refusals_the_slo_report_counts():
-    """The availability panel's denominator and the SLO report (projections/slo/compute.py) name the
+    """The availability panel's denominator and the SLO report (projections/reports/slo/compute.py) name the
     same failures: a code added to one (store_unavailable, internal_error) is added to the other."""
-    from projections.slo.compute import SERVICE_CODES
+    from projections.reports.slo.compute import SERVICE_CODES
 
     (expr,) = [e for e in _dashboard_exprs() if "admitted / " in e or 'code="admitted"}[5m])) / ' in e]
     (eligible,) = re.findall(r'code=~"([a-z_|]+)"', expr)

@@ -1,11 +1,11 @@
-"""Policy checks (projections/shared/policy_checks.py): the blocklist, the interface, loading, and the
+"""Policy checks (infra/content/policy_checks.py): the blocklist, the interface, loading, and the
 worker's reports of an output refusal."""
 
 from __future__ import annotations
 
 import pytest
 
-from projections.shared.policy_checks import (
+from infra.content.policy_checks import (
     ALLOWED,
     Blocklist,
     PolicyCheck,
@@ -15,7 +15,7 @@ from projections.shared.policy_checks import (
     load_policy_check,
     output_hold,
 )
-from projections.shared.settings import SettingsError
+from infra.runtime.settings import SettingsError
 from schemas.codes import REJECTIONS, FinishOutcome, FinishReason, RejectionCode
 from schemas.messages import ChatMessage
 from workers.worker import StopReason, keeps_result, stop_report

@@ -1,4 +1,4 @@
-"""projections.shared.malloc_tuning and projections.shared.memtrace: the soak's memory settings and
+"""infra.runtime.malloc_tuning and infra.runtime.memtrace: the soak's memory settings and
 diagnostics (each run in a fresh interpreter, so the test process keeps its own allocator and tracer)."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 TUNE = """
 import threading
-from projections.shared.malloc_tuning import tune_malloc
+from infra.runtime.malloc_tuning import tune_malloc
 print(tune_malloc(), sorted(t.name for t in threading.enumerate() if t.name == "malloc-trim"))
 """
 
 TRACE = """
 import threading, tracemalloc
-from projections.shared import memtrace
+from infra.runtime import memtrace
 print(memtrace.maybe_start("unit"), tracemalloc.is_tracing())
 keep = [bytes(1000) for _ in range(2000)]
 for t in threading.enumerate():
@@ -67,7 +67,7 @@ def test_memtrace_writes_snapshots_that_the_diff_reads(tmp_path):
     snaps = sorted(tmp_path.glob("unit-*.snap"))
     assert len(snaps) == 3  # bounded by SNAPSHOTS_MAX: the thread stopped after the third
     assert sum(t.size for t in tracemalloc.Snapshot.load(str(snaps[-1])).traces) > 2_000_000
-    diff = subprocess.run([sys.executable, "-m", "projections.shared.memtrace", str(snaps[0]), str(snaps[-1]), "--top", "3"],
+    diff = subprocess.run([sys.executable, "-m", "infra.runtime.memtrace", str(snaps[0]), str(snaps[-1]), "--top", "3"],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert diff.returncode == 0, diff.stderr
     assert diff.stdout.startswith("total diff ")

@@ -15,7 +15,7 @@ import pytest
 
 from projections.ledger.processor import AdmissionProcessor, _Worker
 from projections.ledger.settings import ProcessorSettings
-from projections.shared.kafka_admin import deployment_topics
+from infra.runtime.kafka_admin import deployment_topics
 
 # ESC starts every terminal control sequence (colours, cursor hide/show); BS is the spinner's erase.
 TERMINAL_CONTROL_CHARS = ("\x1b", "\b")

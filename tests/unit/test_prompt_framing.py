@@ -1,4 +1,4 @@
-"""The prompt framing every engine uses (projections/shared/prompt_framing.py), on toy templates: the
+"""The prompt framing every engine uses (infra/models/prompt_framing.py), on toy templates: the
 template's text is the only trusted text, each content lands once, whole and in order, and a template
 that changes a content is refused instead of guessed around. The real SmolLM2 template and tokenizer
 are checked in tests/unit/test_engines_cpu.py, SGLang's side in tests/unit/test_engines.py."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from projections.shared.prompt_framing import (
+from infra.models.prompt_framing import (
     FramingError,
     PromptPiece,
     check_content_tokenizer,

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from projections.readmodel.writer import fold_entry, merge_batch, update_cql
-from projections.readmodel.schema import GENERATION_COLUMNS, ReadModelSettings
-from projections.readmodel.usage_report import UsageTotals, aggregate_usage, parse_time_ms
+from infra.stores.schema import GENERATION_COLUMNS, ReadModelSettings
+from projections.reports.usage import UsageTotals, aggregate_usage, parse_time_ms
 from schemas import events as ev
 from schemas.codes import FinishOutcome, RequestStatus
 from schemas.wire import decode_ledger_entry, encode
@@ -94,8 +94,8 @@ def test_a_turn_s_row_keeps_its_conversation_and_revision_and_old_rows_read_with
     row projected before the columns existed reads as a stateless one."""
     from types import SimpleNamespace
 
-    from projections.readmodel.queries import _view
-    from projections.readmodel.schema import ADDED_GENERATION_COLUMNS
+    from infra.stores.queries import _view
+    from infra.stores.schema import ADDED_GENERATION_COLUMNS
 
     led = Ledger()
     led.create_conversation()

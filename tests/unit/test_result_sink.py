@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from projections.readmodel.results import ResultTooLarge
+from infra.stores.results import ResultTooLarge
 from workers.result_sink import CassandraResultSink
 from workers.settings import WorkerSettings
 

@@ -1,4 +1,4 @@
-"""The read model's answer for a completed generation's content (projections.readmodel.queries._view):
+"""The read model's answer for a completed generation's content (infra.stores.queries._view):
 available, pending (the worker reported before its result store took the text and holds it for a later
 write) or expired. Pending is bounded by the read model's window and never outlives the result TTL."""
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from projections.readmodel.queries import ResultPending, ResultState, ResultUnavailable, _view
-from projections.readmodel.results import StoredResult
+from infra.stores.queries import ResultPending, ResultState, ResultUnavailable, _view
+from infra.stores.results import StoredResult
 
 FINISHED_MS = 1_000_000
 TTL_MS = 3_600_000

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from projections.readmodel.schema import GENERATION_METADATA_TTL_S_DEFAULT, RESULT_TTL_S_DEFAULT, results_ddl
-from projections.shared.catalog import DEFAULT_CATALOG_PATH, load_catalog
-from projections.shared.kafka_admin import deployment_topics
+from infra.stores.schema import GENERATION_METADATA_TTL_S_DEFAULT, RESULT_TTL_S_DEFAULT, results_ddl
+from infra.models.catalog import DEFAULT_CATALOG_PATH, load_catalog
+from infra.runtime.kafka_admin import deployment_topics
 from schemas.topics import Topology
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "retention.md"

@@ -1,4 +1,4 @@
-"""The one settings loader (``projections.shared.settings``): typed, checked at start, one line per bad value.
+"""The one settings loader (``infra.runtime.settings``): typed, checked at start, one line per bad value.
 
 Every process's settings class reads its ``CHATPLANE_*`` variables through ``setting``/``env_value``; a
 value that does not parse or breaks its bound is a ``SettingsError`` naming the variable, the value and
@@ -20,9 +20,9 @@ import pytest
 from edge.app import create_app
 from edge.settings import EdgeSettings
 from projections.ledger.settings import ProcessorSettings
-from projections.readmodel.schema import ReadModelSettings
+from infra.stores.schema import ReadModelSettings
 from edge.settings import DEV_FINGERPRINT_KEY, DEV_JWT_SECRET
-from projections.shared.settings import DEV_MODE_ENV, SETTINGS_ERROR_EXIT_STATUS, SettingsError, env_value, policy_from_env
+from infra.runtime.settings import DEV_MODE_ENV, SETTINGS_ERROR_EXIT_STATUS, SettingsError, env_value, policy_from_env
 from schemas.codes import RejectionCode
 from tests.unit.test_edge import BODY, FakeDecider, assert_typed, hdrs
 from workers.engines.sim import SimConfig

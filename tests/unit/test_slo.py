@@ -1,4 +1,4 @@
-"""The SLO report (projections/slo, docs/slo.md) on a recorded ledger with known answers.
+"""The SLO report (projections/reports/slo, docs/slo.md) on a recorded ledger with known answers.
 
 tests/fixtures/slo_ledger.jsonl holds 28 edge outcomes and 30 ledger entries around the window
 [2026-01-01T00:00:00Z, 00:10:00Z), in two 5-minute buckets A [00:00, 00:05) and B [00:05, 00:10).
@@ -30,8 +30,8 @@ import pytest
 
 from edge.metrics import EdgeMetrics
 from edge.outcomes import OutcomeDraft, OutcomeLog, build_record
-from projections.slo import report as cli
-from projections.slo.compute import (
+from projections.reports.slo import report as cli
+from projections.reports.slo.compute import (
     DEMAND_ENVELOPE_CODES,
     ENTITLEMENT_CODES,
     GENERATION_CODES,
@@ -41,7 +41,7 @@ from projections.slo.compute import (
     compute,
     nearest_rank,
 )
-from projections.slo.read import read_file
+from projections.reports.slo.read import read_file
 from schemas.codes import RejectionCode
 from schemas.outcomes import AdmissionResult, EdgeOutcome, OutcomeRoute, decode_outcome
 from schemas.wire import encode
@@ -139,7 +139,7 @@ def test_nearest_rank():
 def test_every_rejection_code_has_one_class():
     sets = (INVALID_CODES, ENTITLEMENT_CODES, DEMAND_ENVELOPE_CODES, REQUEST_STATE_CODES, SERVICE_CODES, GENERATION_CODES)
     for code in RejectionCode:
-        assert sum(code.value in s for s in sets) == 1, f"{code.value} needs exactly one class in projections/slo/compute.py"
+        assert sum(code.value in s for s in sets) == 1, f"{code.value} needs exactly one class in projections/reports/slo/compute.py"
 
 
 def test_the_command_line_prints_the_same_figures_as_json(capsys, tmp_path):

@@ -279,7 +279,7 @@ def test_the_edge_takes_the_risk_class_from_the_tokens_claim():
 def test_budgets_and_risk_classes_come_from_the_environment(monkeypatch):
     import pytest
 
-    from projections.shared.settings import SettingsError, policy_from_env
+    from infra.runtime.settings import SettingsError, policy_from_env
 
     assert policy_from_env().token_budget_by_tier == {Tier.FREE: 0, Tier.PAID: 0}  # off by default
     monkeypatch.setenv("CHATPLANE_TOKEN_BUDGET_FREE", "50000")

@@ -1,4 +1,4 @@
-"""projections/shared/tracing.py: off costs nothing and adds no header; on, the context goes through
+"""infra/runtime/tracing.py: off costs nothing and adds no header; on, the context goes through
 Kafka headers and spans carry ids only (issue 18). The whole-stack trace is tests/integration/test_tracing.py."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from projections.shared import tracing
-from projections.shared.command_client import CommandClient
-from projections.shared.settings import SettingsError
+from infra.runtime import tracing
+from infra.runtime.command_client import CommandClient
+from infra.runtime.settings import SettingsError
 from schemas.codes import Tier
 from schemas.commands import ReplyTo, SubmitGeneration
 from schemas.topics import Topology
@@ -78,7 +78,7 @@ async def test_off_no_header_is_added_to_a_command():
 def test_off_by_default_imports_no_sdk():
     """Without CHATPLANE_TRACING the module neither turns on nor imports the SDK."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHATPLANE_TRACING")}
-    code = ("import sys; from projections.shared import tracing; "
+    code = ("import sys; from infra.runtime import tracing; "
             "on = tracing.configure('x'); "
             "print(on, tracing.ENABLED, any(m.startswith('opentelemetry.sdk') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)

@@ -8,7 +8,7 @@ minutes on 2 cores; pip caches the built wheel).
 
 Data flow: ``CpuEngine.generate(request)`` applies the model's own chat template (from the GGUF
 metadata) to the trusted system instructions + the client's messages, tokenizes the template's text
-with control tokens and every content as plain text (``projections.shared.prompt_framing``), and steps
+with control tokens and every content as plain text (``infra.models.prompt_framing``), and steps
 ``Llama.generate`` one token at a time on the engine's single thread; each token's bytes go through an
 incremental UTF-8 decoder, so a multi-byte character split across tokens is held back until complete.
 Between tokens it checks ``abort()``; the stop is acknowledged with ``Finished(ABORTED)``. One
@@ -27,9 +27,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from projections.shared.prompt_framing import FramingError, Render, check_content_tokenizer
-from projections.shared.settings import DEV_MODE_ENV, SettingsError, env_value
-from projections.shared.tokens import llama_chat_render, llama_prompt_ids, llama_special_tokens
+from infra.models.prompt_framing import FramingError, Render, check_content_tokenizer
+from infra.runtime.settings import DEV_MODE_ENV, SettingsError, env_value
+from infra.models.tokens import llama_chat_render, llama_prompt_ids, llama_special_tokens
 from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, TextChunk
 
 CPU_ENGINE_NAME = "cpu"
@@ -46,7 +46,7 @@ def cpu_runtime_missing_reason(alias: str = "fast-text-model") -> str | None:
     """Why the cpu engine cannot run ``alias`` of the default catalog here, or None (tests skip on it)."""
     import importlib.util
 
-    from projections.shared.catalog import DEFAULT_CATALOG_PATH, load_catalog
+    from infra.models.catalog import DEFAULT_CATALOG_PATH, load_catalog
 
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed (pip install 'llama-cpp-python==0.3.36', the cpu extra)"
@@ -202,7 +202,7 @@ class CpuEngine:
 
     def prompt_tokens(self, request: EngineRequest) -> list[int]:
         """The ids the model runs: the template's framing with its control tokens, every message's
-        content as plain text (``projections.shared.prompt_framing``), so no content, the history
+        content as plain text (``infra.models.prompt_framing``), so no content, the history
         replayed into a conversation's context included, can open or close a turn."""
         assert self._render is not None, "CpuEngine.start() first"
         try:

@@ -44,7 +44,7 @@ from typing import Any
 
 import orjson
 
-from projections.shared.prompt_framing import check_content_tokenizer, framed_prompt_ids
+from infra.models.prompt_framing import check_content_tokenizer, framed_prompt_ids
 from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, TextChunk
 
 log = logging.getLogger("chatplane.workers.sglang")

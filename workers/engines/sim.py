@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from projections.shared.settings import env_value
+from infra.runtime.settings import env_value
 from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, TextChunk
 
 SIM_ENGINE_NAME = "sim"
