@@ -51,7 +51,7 @@ recover_s=$(cd "$HERE" && "$PY" -c '
 import asyncio, time
 from infra.runtime.command_client import CommandClient
 from schemas.topics import Topology
-from tests.integration.ledger_harness import wait_until_deciding
+from infra.harness.processes import wait_until_deciding
 async def main():
     t0 = time.monotonic()
     client = CommandClient("127.0.0.1:19092", Topology("outage"), inbox_partition=0)

@@ -43,8 +43,9 @@ sys.path.insert(0, str(ROOT))
 
 from control_plane.aggregate import Aggregate, handle  # noqa: E402
 from control_plane.codec import dump_aggregate, load_aggregate  # noqa: E402
-from control_plane.decide import decide, generation_id_for, next_deadline_ms  # noqa: E402
+from control_plane.decide import decide, next_deadline_ms  # noqa: E402
 from control_plane.evolve import evolve_all  # noqa: E402
+from control_plane.ids import generation_id_for  # noqa: E402
 from control_plane.policy import HOUR_MS, Policy  # noqa: E402
 from schemas import commands as cmd  # noqa: E402
 from schemas.codes import CancelReason, FinishOutcome, Tier  # noqa: E402

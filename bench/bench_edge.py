@@ -48,8 +48,12 @@ from schemas.commands import SubmitGeneration  # noqa: E402
 from schemas.messages import TextDelta  # noqa: E402
 from schemas.topics import Topology  # noqa: E402
 from schemas.wire import encode  # noqa: E402
-from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding  # noqa: E402
-from tests.integration.test_edge_harness import EDGE_INBOX_PARTITION, EdgeProcess  # noqa: E402
+from infra.harness.processes import (  # noqa: E402
+    EDGE_INBOX_PARTITION,
+    EdgeProcess,
+    ProcessorProcess,
+    wait_until_deciding,
+)
 
 TYPED_DECISION_S = 0.5
 WARMUP_S = 2.0

@@ -44,7 +44,7 @@ def page_turns(url: str, user: str, turns: int) -> list[float]:
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select
 
-    from tests.browser.chromium import chromium, wait_for
+    from infra.harness.chromium import chromium, wait_for
 
     out = []
     with chromium() as driver:
@@ -64,7 +64,7 @@ def page_turns(url: str, user: str, turns: int) -> list[float]:
                 a = driver.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")
                 return len(a) > before and a[-1].get_attribute("data-status") in ("completed", "error", "refused", "incomplete") and a[-1]
 
-            from tests.browser.chromium import console
+            from infra.harness.chromium import console
 
             def why() -> str:
                 a = driver.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")

@@ -30,7 +30,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from control_plane.decide import generation_id_for  # noqa: E402
+from control_plane.ids import generation_id_for  # noqa: E402
 from infra.runtime.command_client import CommandClient  # noqa: E402
 from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
 from infra.runtime.settings import policy_from_env  # noqa: E402
@@ -39,7 +39,7 @@ from schemas.codes import FinishOutcome, Tier  # noqa: E402
 from schemas.commands import ReplyTo  # noqa: E402
 from schemas.topics import Topology  # noqa: E402
 from schemas.wire import encode  # noqa: E402
-from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding  # noqa: E402
+from infra.harness.processes import ProcessorProcess, wait_until_deciding  # noqa: E402
 
 DECISION_WAIT_S_MAX = 600.0
 WARMUP_S = 2.0  # decisions in the first seconds (new connections, metadata) are not measured

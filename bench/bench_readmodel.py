@@ -60,7 +60,7 @@ from schemas import events as ev  # noqa: E402
 from schemas.codes import FinishOutcome, SlotReleaseReason, Tier  # noqa: E402
 from schemas.topics import Topology  # noqa: E402
 from schemas.wire import encode  # noqa: E402
-from tests.integration.readmodel_load import ProjectionProcess  # noqa: E402
+from infra.harness.processes import ProjectionProcess  # noqa: E402
 
 POLL_S = 0.1  # committed-offset polling (the lag figures' resolution)
 CATCH_UP_S_MAX = 600.0
@@ -431,7 +431,7 @@ async def bench_get(bootstrap: str, topology: Topology, settings: ReadModelSetti
         view = await reader.get(gid, owner=user)
         assert view is not None and view.result_text == RESULT_TEXT
 
-    from tests.integration.test_edge_harness import EdgeProcess
+    from infra.harness.processes import EdgeProcess
 
     edge = EdgeProcess(bootstrap, topology, log_dir, CHATPLANE_EDGE_READ_MODEL="1",
                        CHATPLANE_CASSANDRA_HOSTS=",".join(settings.hosts), CHATPLANE_CASSANDRA_PORT=settings.port,

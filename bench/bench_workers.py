@@ -38,12 +38,12 @@ from infra.runtime.command_client import CommandClient  # noqa: E402
 from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
 from schemas.codes import RequestStatus  # noqa: E402
 from schemas.topics import Topology  # noqa: E402
-from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding  # noqa: E402
-from tests.models import CPU_ALIAS, TEST_CATALOG_PATH  # noqa: E402
+from infra.harness.models import CPU_ALIAS, TEST_CATALOG_PATH  # noqa: E402
+from infra.harness.processes import ProcessorProcess, wait_until_deciding  # noqa: E402
 
 # The processor subprocess and the workers read the tests' catalog (the simulator's alias is not in the default).
 os.environ.setdefault("CHATPLANE_MODEL_CATALOG", str(TEST_CATALOG_PATH))
-from tests.integration.workers_harness import TestEdge, served, worker_settings  # noqa: E402
+from infra.harness.worker_edge import TestEdge, served, worker_settings  # noqa: E402
 from workers.engines.cpu import CPU_THREADS, cpu_runtime_missing_reason  # noqa: E402
 from workers.engines.sim import SimConfig, SimulatedEngine  # noqa: E402
 from workers.worker import Worker  # noqa: E402

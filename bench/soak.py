@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.stackrun import Stack, cpu_seconds, rss_bytes  # noqa: E402
 from schemas.codes import Tier  # noqa: E402
-from tests.chaos.chaos import SIM_ENV, Load  # noqa: E402
+from infra.harness.load import SIM_ENV, Load  # noqa: E402
 
 GROWTH_TARGET = 0.05
 # Bounded caches that at the soak's rate would take hours to fill (and so grow through the whole run

@@ -10,12 +10,11 @@ which de-duplicates command ids, calls this, folds the events with ``evolve`` an
 
 from __future__ import annotations
 
-import base64
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, assert_never
 
+from control_plane.ids import generation_id_for
 from control_plane.policy import Policy, RiskLimits
 from control_plane.state import (
     Conversation,
@@ -28,13 +27,16 @@ from control_plane.state import (
 )
 from schemas import events as ev
 from schemas.codes import (
+    AnswerStatus,
     CancelReason,
     FenceReason,
     FinishOutcome,
+    LateReportReason,
     RejectionCode,
     RequestStatus,
     RetryAttach,
     SlotReleaseReason,
+    TerminalReason,
     Tier,
 )
 from schemas.commands import (
@@ -68,19 +70,6 @@ _FAILURE_CODES = frozenset({RejectionCode.MODEL_BACKEND_ERROR, RejectionCode.GEN
 class Decision:
     events: tuple[ev.Event, ...]
     outcome: Outcome
-
-
-def conversation_id_for(user_id: str, idempotency_key: str) -> str:
-    """A conversation's id, derived from its creator and the create request's Idempotency-Key: a
-    same-key retry names the same conversation."""
-    digest = hashlib.blake2b(f"{user_id}\x00{idempotency_key}".encode(), digest_size=12, person=b"chatplane-conv").digest()
-    return "conv_" + base64.b32encode(digest).decode().lower().rstrip("=")
-
-
-def generation_id_for(user_id: str, command_id: str) -> str:
-    """A fixed-length id derived from the admitting command (fixed length: SGLang matches rids by prefix)."""
-    digest = hashlib.blake2b(f"{user_id}\x00{command_id}".encode(), digest_size=10).digest()
-    return "gen_" + base64.b32encode(digest).decode().lower()
 
 
 class _Emitter:
@@ -685,8 +674,8 @@ def _commit_answer(state: UserLedger, c: CommitAnswer, out: _Emitter) -> Decisio
     return out.decision(OutcomeKind.APPLIED, record, conversation_id=c.conversation_id, revision=conversation.revision)
 
 
-def _answer_status(status: RequestStatus) -> str:
-    return "completed" if status is RequestStatus.COMPLETED else "incomplete"
+def _answer_status(status: RequestStatus) -> AnswerStatus:
+    return AnswerStatus.COMPLETED if status is RequestStatus.COMPLETED else AnswerStatus.INCOMPLETE
 
 
 def _emit_commit(
@@ -767,7 +756,7 @@ def _make_room(state: UserLedger, c: SubmitGeneration, policy: Policy, out: _Emi
 # --- worker commands ------------------------------------------------------------------------
 
 
-def _ignore(out: _Emitter, record: RequestRecord, c: Any, reason: str) -> Decision:
+def _ignore(out: _Emitter, record: RequestRecord, c: Any, reason: LateReportReason) -> Decision:
     out.emit(
         ev.LateReportIgnored,
         record.generation_id,
@@ -779,14 +768,14 @@ def _ignore(out: _Emitter, record: RequestRecord, c: Any, reason: str) -> Decisi
     return out.reject(RejectionCode.STALE_ATTEMPT, record)
 
 
-def _stale_reason(record: RequestRecord, epoch: int) -> str:
+def _stale_reason(record: RequestRecord, epoch: int) -> LateReportReason:
     if epoch <= record.fenced_epoch:
-        return "fenced_epoch"
+        return LateReportReason.FENCED_EPOCH
     if record.status.terminal:
-        return "terminal"
+        return LateReportReason.TERMINAL
     if epoch != record.epoch:
-        return "stale_epoch"
-    return "not_current_owner"
+        return LateReportReason.STALE_EPOCH
+    return LateReportReason.NOT_CURRENT_OWNER
 
 
 def _accept(state: UserLedger, c: AcceptAttempt, policy: Policy, out: _Emitter) -> Decision:
@@ -799,7 +788,7 @@ def _accept(state: UserLedger, c: AcceptAttempt, policy: Policy, out: _Emitter) 
         if attempt.owner_worker_id == c.worker_id:
             # A repeated acceptance (its acknowledgement was lost): a no-op that confirms ownership.
             return out.decision(OutcomeKind.EXISTING, record, status=record.status)
-        return _ignore(out, record, c, "owned_elsewhere")
+        return _ignore(out, record, c, LateReportReason.OWNED_ELSEWHERE)
     if current and record.status is RequestStatus.QUEUED:
         if c.issued_at_ms > attempt.queue_deadline_ms:
             _lapse(state, record, out, FenceReason.QUEUE_DEADLINE)
@@ -991,7 +980,7 @@ def _report(state: UserLedger, c: ReportAttemptFinished, policy: Policy, out: _E
         _release_slot(state, record, out, SlotReleaseReason.STOP_ACKNOWLEDGED)
         delivered = c.output_tokens if c.delivered_tokens is None else min(c.delivered_tokens, c.output_tokens)
         _record_usage(
-            state, record, out, policy, c.output_tokens, c.finish_reason or c.outcome.value, c.outcome, delivered, lost=False,
+            state, record, out, policy, c.output_tokens, TerminalReason(c.finish_reason or c.outcome), c.outcome, delivered, lost=False,
             ttft_ms=c.ttft_ms,
         )
         partial = c.output_tokens > 0
@@ -1060,7 +1049,7 @@ def _record_usage(
     out: _Emitter,
     policy: Policy,
     output_tokens: int,
-    reason: str,
+    reason: TerminalReason,
     outcome: FinishOutcome | None,
     delivered_tokens: int,
     lost: bool,
@@ -1138,7 +1127,7 @@ def _expire_running(state: UserLedger, record: RequestRecord, out: _Emitter, rea
     _release_slot(state, record, out, SlotReleaseReason.LEASE_FENCED)
     tokens = attempt.output_tokens_reported
     # The worker's report is lost (it stopped renewing): settle at its last renewal plus a bound.
-    _record_usage(state, record, out, policy, tokens, reason.value, None, tokens, lost=True)
+    _record_usage(state, record, out, policy, tokens, TerminalReason(reason), None, tokens, lost=True)
     if attempt.cancel_reason is not None:
         out.emit(
             ev.GenerationCancelled, record.generation_id, epoch=record.epoch, reason=attempt.cancel_reason, partial=tokens > 0
@@ -1279,9 +1268,7 @@ __all__ = [
     "attached_reader",
     "attached_readers",
     "Decision",
-    "conversation_id_for",
     "decide",
-    "generation_id_for",
     "next_deadline_ms",
     "purge_at_ms",
     "read_past_deadline",

@@ -14,6 +14,11 @@ WINDOW_MS = 3 * 3600 * 1000  # UTC-aligned fixed 3-hour quota windows
 HOUR_MS = 3600 * 1000
 
 
+# An accepted attempt's lease, the processor's and the workers' default (CHATPLANE_LEASE_MS): the
+# worker renews it at a fraction of this, and a worker silent for that long is judged lost.
+LEASE_MS_DEFAULT = 10_000
+
+
 @dataclass(frozen=True, slots=True)
 class ModelEntry:
     """One alias of the catalog: the version it resolves to and who may use it."""
@@ -48,7 +53,7 @@ class Policy:
     queue_wait_max_ms: int = 15_000  # hard stop: a dispatch older than this is never accepted
     queue_budget_ms: int = 2_000  # expected wait above this is refused with capacity_exhausted
     reconcile_grace_ms: int = 5_000  # after the queue deadline, before the timer fences a queued attempt
-    lease_ms: int = 10_000  # an accepted attempt's lease; the worker renews it
+    lease_ms: int = LEASE_MS_DEFAULT  # an accepted attempt's lease; the worker renews it
     generation_duration_max_ms: int = 120_000
     run_deadline_grace_ms: int = 5_000
     dedup_retention_ms: int = 24 * HOUR_MS  # request records, after terminal (never while active)

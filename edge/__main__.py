@@ -28,6 +28,7 @@ from edge import errors
 from edge.app import create_app
 from edge.deps import new_request_id
 from edge.settings import EdgeSettings
+from edge.state import edge_of
 from edge.uvicorn_adapter import HEAD_BYTES, bounded_h11_protocol
 from infra.stores.schema import ReadModelSettings
 from infra.runtime import memtrace, tracing
@@ -112,7 +113,7 @@ def bad_request_refusal(reason: str, head_bytes_max: int) -> bytes:
 def uvicorn_config(app: FastAPI, settings: EdgeSettings, **overrides: Any) -> uvicorn.Config:
     """The uvicorn configuration of the edge, with the connection bounds of ``edge.uvicorn_adapter``
     (tests serve the app with it too; ``overrides`` replace single options)."""
-    metrics = app.state.edge.metrics
+    metrics = edge_of(app).metrics
     options: dict[str, Any] = dict(
         host=settings.host,
         port=settings.port,
@@ -174,7 +175,7 @@ def main() -> None:
         exit_on_settings_error(exc)
     warn_if_descriptors_short(settings.connections_max)
     config = uvicorn_config(app, settings, log_level=level.lower())
-    server = DrainingServer(config, app.state.edge)
+    server = DrainingServer(config, edge_of(app))
     if settings.socket_sndbuf_bytes:
         server.run(sockets=[listening_socket(settings)])
     else:

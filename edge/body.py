@@ -16,7 +16,7 @@ which can destroy the answer before it is read), and the connection then serves 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi.dependencies.models import Dependant
@@ -37,6 +37,8 @@ BODY_ROUTES = frozenset(
     }
 )
 BODY_FIELD = "body"
+
+_Call = TypeVar("_Call")
 
 
 def body_too_large(limit_bytes: int) -> ApiError:
@@ -84,9 +86,23 @@ async def refuse_body(request: Request) -> None:
     await read_body(request, 0)
 
 
-def _depends_on(dependant: Dependant, call: Any) -> bool:
+# The dependencies that call ``refuse_body`` themselves (``edge.deps.principal``, after authentication),
+# marked by ``refuses_body_itself``: edge.deps imports this module, so this one names none of its own.
+_REFUSING_DEPENDENCIES: list[Any] = []
+
+
+def refuses_body_itself(call: _Call) -> _Call:
+    """Marks a dependency that calls ``refuse_body`` itself: ``refuse_unexpected_body`` leaves a route
+    that depends on it to that dependency."""
+    _REFUSING_DEPENDENCIES.append(call)
+    return call
+
+
+def _depends_on_refusing(dependant: Dependant) -> bool:
     # A route's tree is a handful of nodes (principal, key, path and query parameters): walked per request.
-    return any(d.call is call or _depends_on(d, call) for d in dependant.dependencies)
+    return any(
+        any(d.call is call for call in _REFUSING_DEPENDENCIES) or _depends_on_refusing(d) for d in dependant.dependencies
+    )
 
 
 async def refuse_unexpected_body(request: Request) -> None:
@@ -97,10 +113,8 @@ async def refuse_unexpected_body(request: Request) -> None:
     token, then the body."""
     if takes_body(request):
         return
-    from edge.deps import principal  # edge.deps imports this module
-
     route = request.scope.get("route")
     dependant = getattr(route, "dependant", None)
-    if dependant is not None and _depends_on(dependant, principal):
+    if dependant is not None and _depends_on_refusing(dependant):
         return
     await refuse_body(request)

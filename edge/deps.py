@@ -12,29 +12,34 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 
 from edge.auth import Principal
-from edge.body import refuse_body, takes_body
+from edge.body import refuse_body, refuses_body_itself, takes_body
 from edge.errors import ApiError
 from edge.outcomes import note_user
+from edge.state import Edge, edge_of
 from schemas.codes import RateLimitScope, RejectionCode
 from schemas.messages import RejectionDetails
 
 IDEMPOTENCY_KEY_CHARS_MAX = 255
 
 
-class EdgeState:
-    """Everything the routes use, built once by ``edge.app.create_app`` (see there)."""
+def edge_state(request: Request) -> Edge:
+    """The app's ``Edge`` (edge/state.py), typed: for code that holds a request but is no route
+    handler (a route takes ``EdgeDep``)."""
+    return edge_of(request.app)
 
 
-async def edge_state(request: Request):  # -> edge.app.Edge (not imported: avoids a cycle)
-    return request.app.state.edge
+async def current_edge(request: Request) -> Edge:
+    """``EdgeDep``'s dependency: the app's ``Edge``."""
+    return edge_of(request.app)
 
 
+@refuses_body_itself
 async def principal(request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> Principal:
     """The bearer token's principal (declared in the spec as the ``bearer`` security scheme).
 
     First the client address's burst bucket (edge/client_ip.py), before any work on the token: a
     flood of bad tokens or new accounts from one address is refused for the price of a look-up."""
-    edge = request.app.state.edge
+    edge = edge_state(request)
     wait_s = edge.ip_limiter.take(request.scope)
     if wait_s > 0:
         raise ApiError(
@@ -60,4 +65,4 @@ def new_request_id() -> str:
 
 CurrentPrincipal = Annotated[Principal, Depends(principal)]
 IdempotencyKey = Annotated[str, Depends(idempotency_key)]
-EdgeDep = Annotated[object, Depends(edge_state)]
+EdgeDep = Annotated[Edge, Depends(current_edge)]

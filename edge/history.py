@@ -24,23 +24,24 @@ just-committed message is the one thing a turn must not do.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from edge.context import NoTurnToRegenerate, TurnTooLarge, build_context, history_page_reader
 from edge.errors import ApiError
 from edge.metrics import EdgeMetrics
 from infra.models.catalog import CatalogModel
+from infra.stores.history import BucketBudget, ConversationRow, HistoryStore, HistoryUnavailable, StoredMessage
+from infra.stores.session import CassandraSession
 from schemas.codes import RejectionCode
 from schemas.messages import ChatMessage, RejectionDetails
 
 log = logging.getLogger("chatplane.edge.history")
 
-HISTORY_REOPEN_INTERVAL_S = 5.0  # a failed open is retried no more often than this
-HISTORY_OPEN_TIMEOUT_S = 10.0
 CATCH_UP_WAIT_S = 2.0  # a turn waits this long for the store to show the revision it was sent against
 CATCH_UP_POLL_S = 0.02
 HISTORY_RETRY_AFTER_S = 1
@@ -54,50 +55,83 @@ def unavailable() -> ApiError:
     return ApiError(RejectionCode.HISTORY_UNAVAILABLE, retry_after_s=HISTORY_RETRY_AFTER_S)
 
 
+@contextlib.contextmanager
+def _answered_as_unavailable() -> Iterator[None]:
+    """A store failure (``HistoryUnavailable``) becomes ``503 history_unavailable``; argument errors
+    (``ValueError``: an invalid cursor, a limit out of range) pass through to the route."""
+    try:
+        yield
+    except HistoryUnavailable:
+        raise unavailable() from None
+
+
 class History:
-    """The edge's ``HistoryStore``, opened on first use; every failure is ``history_unavailable``."""
+    """The edge's ``HistoryStore``, built on the process's shared Cassandra session on first use; one
+    method per store operation the edge uses, every failure answered as ``history_unavailable``."""
 
-    def __init__(self) -> None:
-        self._store: Any = None
-        self._opened_at_s = -HISTORY_REOPEN_INTERVAL_S
-        self._lock = asyncio.Lock()
+    def __init__(self, cassandra: CassandraSession) -> None:
+        self._cassandra = cassandra
+        self._store: HistoryStore | None = None
 
-    async def store(self) -> Any:
-        if self._store is not None:
-            return self._store
-        async with self._lock:
-            if self._store is None and time.monotonic() - self._opened_at_s >= HISTORY_REOPEN_INTERVAL_S:
-                self._opened_at_s = time.monotonic()
-                try:
-                    from infra.stores.history import HistoryStore
-
-                    async with asyncio.timeout(HISTORY_OPEN_TIMEOUT_S):
-                        self._store = await HistoryStore.open()
-                except Exception as exc:  # noqa: BLE001 - any failure is "unavailable"; retried later
-                    log.warning("history store unavailable: %s", type(exc).__name__)
+    async def store(self) -> HistoryStore:
         if self._store is None:
-            raise unavailable()
+            try:
+                self._store = await self._cassandra.store(HistoryStore)
+            except Exception:  # noqa: BLE001 - any failure is "unavailable" (logged by the session); retried later
+                raise unavailable() from None
         return self._store
 
-    async def call(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        """``store.<op>(...)``, its failure answered as ``history_unavailable``."""
-        from infra.stores.history import HistoryUnavailable
-
+    async def get_conversation(self, conversation_id: str) -> ConversationRow | None:
         store = await self.store()
-        try:
-            return await getattr(store, op)(*args, **kwargs)
-        except HistoryUnavailable:
-            raise unavailable() from None
+        with _answered_as_unavailable():
+            return await store.get_conversation(conversation_id)
 
-    async def close(self) -> None:
-        if self._store is not None:
-            await self._store.close()
-            self._store = None
+    async def put_conversation(self, conversation_id: str, user_id: str, title: str | None, created_at_ms: int) -> None:
+        store = await self.store()
+        with _answered_as_unavailable():
+            await store.put_conversation(conversation_id, user_id, title, created_at_ms)
+
+    async def confirm_conversation(self, conversation_id: str, user_id: str, created_at_ms: int) -> None:
+        store = await self.store()
+        with _answered_as_unavailable():
+            await store.confirm_conversation(conversation_id, user_id, created_at_ms)
+
+    async def mark_deleted(self, conversation_id: str) -> None:
+        store = await self.store()
+        with _answered_as_unavailable():
+            await store.mark_deleted(conversation_id)
+
+    async def list_conversations(
+        self, user_id: str, limit: int, cursor: str | None
+    ) -> tuple[list[ConversationRow], str | None]:
+        """One page of the sidebar; ``ValueError`` for an invalid cursor or limit."""
+        store = await self.store()
+        with _answered_as_unavailable():
+            return await store.list_conversations(user_id, limit, cursor)
+
+    async def put_turn_input(self, generation_id: str, conversation_id: str, content: str, created_at_ms: int) -> None:
+        store = await self.store()
+        with _answered_as_unavailable():
+            await store.put_turn_input(generation_id, conversation_id, content, created_at_ms)
+
+    async def read_after(
+        self, conversation_id: str, after_seq: int, limit: int, up_to_seq: int, *, budget: BucketBudget | None = None
+    ) -> list[StoredMessage]:
+        store = await self.store()
+        with _answered_as_unavailable():
+            return await store.read_after(conversation_id, after_seq, limit, up_to_seq, budget=budget)
+
+    async def read_before(
+        self, conversation_id: str, before_seq: int, limit: int, *, budget: BucketBudget | None = None
+    ) -> list[StoredMessage]:
+        store = await self.store()
+        with _answered_as_unavailable():
+            return await store.read_before(conversation_id, before_seq, limit, budget=budget)
 
 
-async def owned_conversation(history: History, conversation_id: str, user_id: str) -> Any:
+async def owned_conversation(history: History, conversation_id: str, user_id: str) -> ConversationRow:
     """The conversation's row if ``user_id`` owns it and it is live; else 404 exactly like an unknown id."""
-    row = await history.call("get_conversation", conversation_id)
+    row = await history.get_conversation(conversation_id)
     if row is None or row.user_id != user_id or row.status != "active":
         raise ApiError(RejectionCode.NOT_FOUND)
     return row
@@ -129,8 +163,6 @@ async def prepare_turn(
     row = await owned_conversation(history, conversation_id, user_id)
     await _caught_up(history, conversation_id, expected_revision)
     store = await history.store()
-    from infra.stores.history import HistoryUnavailable
-
     read_page = history_page_reader(functools.partial(store.read_before, conversation_id))
     # A turn reads everything up to the revision it was sent against; a regeneration everything
     # below the answer it replaces (whose seq is that revision), so its newest item is the user turn.
@@ -159,13 +191,11 @@ async def _caught_up(history: History, conversation_id: str, expected_revision: 
     """Wait (bounded) until the store holds the committed message at ``expected_revision``."""
     if expected_revision == 0:
         return
-    from infra.stores.history import BucketBudget
-
     deadline = time.monotonic() + CATCH_UP_WAIT_S
     while True:
         # Only the bucket that holds ``expected_revision``: a revision past the end must not walk
         # every empty bucket below it on each poll.
-        rows = await history.call("read_before", conversation_id, expected_revision + 1, 1, budget=BucketBudget(1))
+        rows = await history.read_before(conversation_id, expected_revision + 1, 1, budget=BucketBudget(1))
         if rows and rows[0].seq == expected_revision and rows[0].status is not None:
             return
         if time.monotonic() >= deadline:
@@ -192,7 +222,7 @@ async def answer_visible(history: History, metrics: EdgeMetrics, conversation_id
     deadline = time.monotonic() + ANSWER_VISIBLE_WAIT_S
     while True:
         try:
-            row = await history.call("get_conversation", conversation_id)
+            row = await history.get_conversation(conversation_id)
         except ApiError:
             metrics.answers_not_visible.labels("history_unavailable").inc()
             return False

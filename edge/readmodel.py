@@ -6,56 +6,43 @@ here -> ``generations_by_id`` / ``results_by_generation``. The owner check is do
 (``owner=``): another user's id answers ``None`` exactly like an unknown one. A Cassandra failure or
 a read past its deadline (``ReadModelUnavailable``) is answered as a typed ``503 store_unavailable``
 with Retry-After: a read failed, admission did not (``quota_service_unavailable`` is kept for that, so
-dashboards tell the two apart). The connection is opened lazily (and re-tried at most every
-``READ_MODEL_REOPEN_INTERVAL_S``) so an edge starts and admits while Cassandra is still coming up.
+dashboards tell the two apart). The reader is built on the edge's one Cassandra session
+(``infra.stores.session``), opened on first use and re-tried at most every
+``CHATPLANE_CASSANDRA_REOPEN_INTERVAL_S``, so an edge starts and admits while Cassandra is still
+coming up.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
 from typing import Any
 
 from edge.errors import ApiError
 from edge.streams import GenerationView
+from infra.stores.queries import GenerationReader, ReadModelUnavailable, ResultState
+from infra.stores.session import CassandraSession
 from schemas.codes import RejectionCode, RequestStatus
 
-log = logging.getLogger("chatplane.edge.readmodel")
-
-READ_MODEL_REOPEN_INTERVAL_S = 5.0
 # Retry-After of a 503 result_pending: the worker's result sink retries its held texts every 2 s
 # (CHATPLANE_WORKER_RESULT_RETRY_INTERVAL_S).
 RESULT_PENDING_RETRY_AFTER_S = 2
-READ_MODEL_OPEN_TIMEOUT_S = 10.0
 
 
 class ReadModel:
-    def __init__(self) -> None:
-        self._reader: Any = None
-        self._opened_at_s = 0.0
-        self._lock = asyncio.Lock()
+    """The edge's ``GenerationReader``, built on the process's shared session on first use."""
+
+    def __init__(self, cassandra: CassandraSession) -> None:
+        self._cassandra = cassandra
+        self._reader: Any = None  # the GenerationReader once built (tests may put a stand-in here)
 
     async def _get_reader(self) -> Any:
-        if self._reader is not None:
-            return self._reader
-        async with self._lock:
-            if self._reader is None and time.monotonic() - self._opened_at_s >= READ_MODEL_REOPEN_INTERVAL_S:
-                self._opened_at_s = time.monotonic()
-                try:
-                    from infra.stores.queries import GenerationReader
-
-                    async with asyncio.timeout(READ_MODEL_OPEN_TIMEOUT_S):
-                        self._reader = await GenerationReader.open()
-                except Exception as exc:  # noqa: BLE001 - any failure is "unavailable"; retried later
-                    log.warning("read model unavailable: %s", type(exc).__name__)
         if self._reader is None:
-            raise _unavailable()
+            try:
+                self._reader = await self._cassandra.store(GenerationReader)
+            except Exception:  # noqa: BLE001 - any failure is "unavailable" (logged by the session); retried later
+                raise _unavailable() from None
         return self._reader
 
     async def lookup(self, generation_id: str, owner: str) -> GenerationView | None:
-        from infra.stores.queries import ReadModelUnavailable
-
         reader = await self._get_reader()
         try:
             v = await reader.get(generation_id, owner=owner, include_result=False)
@@ -65,8 +52,6 @@ class ReadModel:
 
     async def lookup_with_result(self, generation_id: str, owner: str) -> tuple[GenerationView | None, str | None]:
         """The generation and, when completed and retained, its text: one read-model call (GET)."""
-        from infra.stores.queries import ReadModelUnavailable, ResultState
-
         reader = await self._get_reader()
         try:
             v = await reader.get(generation_id, owner=owner, include_result=True)
@@ -83,8 +68,6 @@ class ReadModel:
         or the processor's answer), or None when it has expired (410). Raises the 503
         ``result_pending`` while the worker still holds a text it could not store yet, and while the
         read model has not projected the completion (it trails the ledger): not expired, not yet."""
-        from infra.stores.queries import ReadModelUnavailable, ResultState
-
         reader = await self._get_reader()
         try:
             v = await reader.get(generation_id, owner=owner, include_result=True)
@@ -95,11 +78,6 @@ class ReadModel:
         if v.result is not ResultState.AVAILABLE:
             return None
         return v.result_text
-
-    async def close(self) -> None:
-        if self._reader is not None:
-            await self._reader.close()
-            self._reader = None
 
 
 def _view(v: Any) -> GenerationView:

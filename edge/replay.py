@@ -36,6 +36,8 @@ from typing import Any
 from edge import sse
 from edge.errors import ApiError
 from edge.history import answer_visible
+from infra.stores.replay import ReplayStore
+from infra.stores.session import CassandraSession
 from schemas.codes import CancelReason, RejectionCode, RequestStatus
 from schemas.commands import AttachReader, DetachReader
 
@@ -45,34 +47,23 @@ REPLAY_PAGE = 256  # deltas read per store call
 REPLAY_POLL_S = 0.1  # how often a follower reads the store and the read model for what is new
 REPLAY_LOOKUP_WAIT_S = 2.0  # a generation with stored deltas the read model does not show yet is waited for
 REPLAY_DRAIN_WAIT_S = 2.0  # a full buffer not taken by the socket within this: the reader is cut off
-REPLAY_REOPEN_INTERVAL_S = 5.0
-REPLAY_OPEN_TIMEOUT_S = 10.0
 _TERMINAL = (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED, RequestStatus.REJECTED)
 
 
 class ReplayAccess:
-    """The edge's ``ReplayStore``, opened on first use; failures are the read model's 503."""
+    """The edge's ``ReplayStore``, built on the process's shared session on first use; failures are the
+    read model's 503."""
 
-    def __init__(self) -> None:
-        self._store: Any = None
-        self._opened_at_s = -REPLAY_REOPEN_INTERVAL_S
-        self._lock = asyncio.Lock()
+    def __init__(self, cassandra: CassandraSession) -> None:
+        self._cassandra = cassandra
+        self._store: ReplayStore | None = None
 
-    async def store(self) -> Any:
-        if self._store is not None:
-            return self._store
-        async with self._lock:
-            if self._store is None and time.monotonic() - self._opened_at_s >= REPLAY_REOPEN_INTERVAL_S:
-                self._opened_at_s = time.monotonic()
-                try:
-                    from infra.stores.replay import ReplayStore
-
-                    async with asyncio.timeout(REPLAY_OPEN_TIMEOUT_S):
-                        self._store = await ReplayStore.open()
-                except Exception as exc:  # noqa: BLE001 - unavailable, retried later
-                    log.warning("replay store unavailable: %s", type(exc).__name__)
+    async def store(self) -> ReplayStore:
         if self._store is None:
-            raise ApiError(RejectionCode.STORE_UNAVAILABLE, retry_after_s=2)
+            try:
+                self._store = await self._cassandra.store(ReplayStore)
+            except Exception:  # noqa: BLE001 - unavailable (logged by the session), retried later
+                raise ApiError(RejectionCode.STORE_UNAVAILABLE, retry_after_s=2) from None
         return self._store
 
     async def has_deltas(self, generation_id: str) -> bool:
@@ -95,11 +86,6 @@ class ReplayAccess:
             if len(rows) < REPLAY_PAGE:
                 return "".join(parts)
             after = rows[-1].seq
-
-    async def close(self) -> None:
-        if self._store is not None:
-            await self._store.close()
-            self._store = None
 
 
 def resume_point(last_event_id: str | None, after: int | None) -> int:
@@ -209,7 +195,7 @@ class Replay:
         reader = asyncio.create_task(self._read())
         attached = self.view.status.active
         if attached:
-            edge.hub._background(edge.client.send(self._reader_command(AttachReader)))
+            edge.background.spawn(edge.client.send(self._reader_command(AttachReader)))
         deadline = time.monotonic() + self.settings.generation_wait_s_max
         try:
             while True:
@@ -241,7 +227,7 @@ class Replay:
             with contextlib.suppress(BaseException):
                 await reader
             if attached and not self.finished:
-                edge.hub._background(edge.client.send(self._reader_command(DetachReader)))
+                edge.background.spawn(edge.client.send(self._reader_command(DetachReader)))
 
     def _reader_command(self, cls: type) -> Any:
         fields: dict[str, Any] = dict(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from control_plane.policy import Policy
 from edge.client_ip import IPNetwork, parse_networks
 from infra.runtime.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
-from infra.runtime.settings import DEV_MODE_ENV, SettingsError, env_var, policy_from_env, setting
+from infra.runtime.settings import DEV_MODE_ENV, SettingsError, env_var, kafka_bootstrap_setting, policy_from_env, setting
 from schemas.topics import Topology
 
 # Built-in secrets, used only in development mode (CHATPLANE_DEV_MODE=1, set by `make up` and the tests)
@@ -28,7 +28,7 @@ PORT_MAX = 65_535
 
 @dataclass(frozen=True)
 class EdgeSettings:
-    kafka_bootstrap: str = setting("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    kafka_bootstrap: str = kafka_bootstrap_setting()
     topology: Topology = setting("CHATPLANE_NAMESPACE", Topology(""), parse=Topology, expected="a namespace")
     # The edge-inbox partition this process reads (decisions, deltas, finalizations, prompt requests).
     inbox_partition: int = setting("CHATPLANE_EDGE_INBOX_PARTITION", 0, ge=0)

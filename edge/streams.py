@@ -4,9 +4,12 @@ Data flow::
 
     edge inbox --(CommandClient reader)--> StreamHub.on_message
         TextDelta            -> the stream of (generation_id, epoch): frame, buffer, wake the writer
-        GenerationFinalized  -> the terminal frame (the processor committed the transition)
-        PromptRequest        -> PromptPayload to the worker's control partition (content only here)
-    StreamHub.stream writer  --(SSE frames, heartbeats)--> the client socket (edge.routes)
+        GenerationFinalized  -> the terminal frame (the processor committed the transition); a
+                                completed result's whole text -> ResultRetention (edge/result_retention.py)
+        PromptRequest        -> the stream's messages, or none -> PromptPublisher.answer
+                                (edge/prompt_publisher.py: PromptPayload to the worker's control partition)
+    StreamHub.frames writer  --(SSE frames, heartbeats)--> the client socket (edge.routes)
+    cancels, detaches, re-attaches --> BackgroundSends (edge/background.py) --> the command client
 
 Bounds: each stream buffers at most ``stream_buffer_bytes_max`` of frames not yet written to its
 socket, and all streams together at most ``aggregate_buffer_bytes_max``. A delta that would pass
@@ -33,26 +36,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
-
 from edge import sse
+from edge.background import BackgroundSends
 from edge.metrics import EdgeMetrics
+from edge.prompt_publisher import PromptPublisher
+from edge.result_retention import ResultRetention
 from edge.settings import EdgeSettings
 from schemas.codes import CancelReason, RejectionCode, RequestStatus, Tier
 from schemas.commands import AttachReader, CancelGeneration, DetachReader
-from schemas.messages import ChatMessage, GenerationFinalized, PromptPayload, PromptPublished, PromptRequest, TextDelta
-from schemas.wire import encode
+from schemas.messages import ChatMessage, GenerationFinalized, PromptRequest, TextDelta
 
 log = logging.getLogger("chatplane.edge.streams")
 
-# Background sends (cancels, prompt payloads) in flight at once; beyond this they are dropped and
-# counted, and the processor's deadlines still settle the generation.
-BACKGROUND_SENDS_MAX = 10_000
-# Completed results kept in memory (for GET and same-key retries when the read model is off): their
-# text bytes plus RESULT_ENTRY_OVERHEAD_BYTES each, so that many short or empty results are bounded
-# too (counting the text alone let empty results pile up without end); expired ones go first.
-RESULT_ENTRY_OVERHEAD_BYTES = 256
 # Messages for a generation this edge does not hold yet: the reader can see a worker's prompt request
 # or first delta before the submitting handler has registered the stream its decision admitted
 # (same inbox partition, next loop iteration). They are parked briefly, then dropped.
@@ -130,7 +125,23 @@ class GenerationView:
 
 
 class StreamHub:
-    def __init__(self, settings: EdgeSettings, metrics: EdgeMetrics, edge_id: str = "") -> None:
+    """The stream registry: the generations this edge holds, their buffers and their readers.
+
+    Its collaborators are passed in (``edge.state.Edge`` wires one of each beside it); left out, the
+    hub makes its own from ``settings`` (tests): ``background`` runs its cancels and detaches,
+    ``prompts`` answers workers' prompt requests, ``retention`` keeps completed results.
+    """
+
+    def __init__(
+        self,
+        settings: EdgeSettings,
+        metrics: EdgeMetrics,
+        edge_id: str = "",
+        *,
+        background: BackgroundSends | None = None,
+        prompts: PromptPublisher | None = None,
+        retention: ResultRetention | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         # This process as a reader (SubmitGeneration.reader_id, DetachReader.reader_id).
@@ -139,12 +150,10 @@ class StreamHub:
         self.aggregate_bytes = 0
         self.draining = False
         self.recent: OrderedDict[str, GenerationView] = OrderedDict()
-        self.results: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (text, expires monotonic s)
-        self.results_bytes = 0
         self.client: Any = None  # infra.runtime.command_client.CommandClient, set by the app at start-up
-        self.producer: AIOKafkaProducer | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.background_dropped = 0
+        self.background = background if background is not None else BackgroundSends()
+        self.prompts = prompts if prompts is not None else PromptPublisher(metrics, self.background)
+        self.retention = retention if retention is not None else ResultRetention.from_settings(settings)
         self.early: OrderedDict[str, tuple[float, list[Any]]] = OrderedDict()
         # Generation id -> requests of this edge following it besides the one that admitted it (keyless
         # retries the processor attached to it: ``follow``); at most ``streams_max`` generations.
@@ -320,7 +329,7 @@ class StreamHub:
         # Deltas after the reader left are collected too, so the text is whole unless truncated (then
         # the result store has it; this edge's memory must not answer with a truncated copy).
         if status is RequestStatus.COMPLETED and not stream.result_truncated:
-            self._retain_result(stream)
+            self.retention.retain(stream.generation_id, "".join(stream.result_parts))
         self.metrics.terminal_events.labels(status.value).inc()
         if stream.streaming:
             # The processor fixed the terminal event's id with the terminal state (0: after the last delta).
@@ -346,76 +355,17 @@ class StreamHub:
         if stream.reader_gone:
             self._drop(stream)
 
-    def _retain_result(self, stream: GenerationStream) -> None:
-        text = "".join(stream.result_parts)
-        now = time.monotonic()
-        self._forget_result(stream.generation_id)
-        self.results[stream.generation_id] = (text, now + self.settings.policy.result_ttl_ms / 1000)
-        self.results_bytes += _result_cost(text)
-        # Oldest first: every entry has the same time to live, so the oldest is also the first to expire.
-        while self.results:
-            oldest_id, (_, expires) = next(iter(self.results.items()))
-            if expires > now and self.results_bytes <= self.settings.result_cache_bytes_max:
-                break
-            self._forget_result(oldest_id)
-
-    def _forget_result(self, generation_id: str) -> None:
-        item = self.results.pop(generation_id, None)
-        if item is not None:
-            self.results_bytes -= _result_cost(item[0])
-
-    def result_of(self, generation_id: str) -> str | None:
-        item = self.results.get(generation_id)
-        if item is None:
-            return None
-        text, expires = item
-        if time.monotonic() >= expires:
-            return None
-        return text
-
     def _on_prompt_request(self, r: PromptRequest) -> None:
         stream = self.streams.get(r.generation_id)
         if stream is None and self._park(r.generation_id, r):
             return
         found = stream is not None and stream.epoch == r.epoch and stream.finalized is None and not stream.overflowed
-        self.metrics.prompt_requests.labels(str(found).lower()).inc()
-        payload = PromptPayload(
-            generation_id=r.generation_id,
-            epoch=r.epoch,
-            worker_id=r.worker_id,
-            found=found,
-            messages=stream.messages if found and stream is not None else (),
-        )
-        self._background(self._send_payload(r, payload))
-
-    def publish_prompt(self, topic: str, generation_id: str, user_id: str, messages: tuple[ChatMessage, ...]) -> None:
-        """Publish a submit's prompt beside it, keyed by the generation id it will have (so it lands in
-        the partition of the pool's dispatch topics its dispatch will: schemas/topics.py prompts_topic).
-        Best effort, in the background: a worker that does not find it asks this edge for it."""
-        message = PromptPublished(
-            generation_id=generation_id, user_id=user_id, published_at_ms=int(time.time() * 1000), messages=messages
-        )
-        self._background(self._publish_prompt(topic, message))
-
-    async def _publish_prompt(self, topic: str, message: PromptPublished) -> None:
-        assert self.producer is not None
-        try:
-            await self.producer.send_and_wait(topic, encode(message), key=message.generation_id.encode())
-        except KafkaError:
-            self.metrics.prompts_published.labels("false").inc()
-            raise
-        self.metrics.prompts_published.labels("true").inc()
-
-    async def _send_payload(self, r: PromptRequest, payload: PromptPayload) -> None:
-        assert self.producer is not None
-        await self.producer.send_and_wait(
-            r.reply_to.topic, encode(payload), key=r.worker_id.encode(), partition=r.reply_to.partition
-        )
+        self.prompts.answer(r, stream.messages if found and stream is not None else None)
 
     # --- control ------------------------------------------------------------------------------
 
     def cancel(self, stream: GenerationStream, reason: CancelReason) -> None:
-        self._background(self.send_cancel(stream.user_id, stream.generation_id, reason))
+        self.background.spawn(self.send_cancel(stream.user_id, stream.generation_id, reason))
 
     async def send_cancel(self, user_id: str, generation_id: str, reason: CancelReason) -> None:
         command = CancelGeneration(
@@ -426,16 +376,6 @@ class StreamHub:
             reason=reason,
         )
         await self.client.send(command)
-
-    def _background(self, coro: Any) -> None:
-        if len(self._tasks) >= BACKGROUND_SENDS_MAX:
-            coro.close()
-            self.background_dropped += 1
-            return
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_log_failure)
 
     def release(self, stream: GenerationStream) -> None:
         """The reader is gone (disconnect or response written). Detach the generation if still running."""
@@ -454,7 +394,7 @@ class StreamHub:
             # reader. The stream stays held, collecting text, until its end or the last follower goes.
             return
         stream.detach_sent = asyncio.Event()  # before the task runs: a follower arriving now waits for it
-        self._background(self._detach(stream))
+        self.background.spawn(self._detach(stream))
 
     # --- followers ----------------------------------------------------------------------------
 
@@ -472,7 +412,7 @@ class StreamHub:
         self.followers[generation_id] = self.followers.get(generation_id, 0) + 1
         stream = self.streams.get(generation_id)
         if stream is not None and stream.detach_sent is not None and stream.finalized is None:
-            self._background(self._reattach_after(stream.detach_sent, generation_id, user_id))
+            self.background.spawn(self._reattach_after(stream.detach_sent, generation_id, user_id))
         return True
 
     def unfollow(self, generation_id: str, user_id: str, ended: bool) -> None:
@@ -487,10 +427,10 @@ class StreamHub:
             return
         stream = self.streams.get(generation_id)
         if stream is None:
-            self._background(self._send_detach(user_id, generation_id))
+            self.background.spawn(self._send_detach(user_id, generation_id))
         elif stream.reader_gone and stream.detach_sent is None and stream.finalized is None:
             stream.detach_sent = asyncio.Event()
-            self._background(self._detach(stream))
+            self.background.spawn(self._detach(stream))
 
     async def _reattach_after(self, detach_sent: asyncio.Event, generation_id: str, user_id: str) -> None:
         with contextlib.suppress(TimeoutError):
@@ -622,15 +562,4 @@ class StreamHub:
         return {"cancelled": len(remaining), "unresolved": len(unresolved)}
 
     async def flush_background(self, timeout_s: float = 5.0) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=timeout_s)
-
-
-def _result_cost(text: str) -> int:
-    """What one retained result counts against ``result_cache_bytes_max`` (CHATPLANE_EDGE_RESULT_CACHE_BYTES_MAX)."""
-    return len(text.encode()) + RESULT_ENTRY_OVERHEAD_BYTES
-
-
-def _log_failure(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("background send failed: %s", type(task.exception()).__name__)
+        await self.background.flush(timeout_s)

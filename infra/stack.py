@@ -714,6 +714,7 @@ def create_topics(cfg: Config) -> None:
     through the one path the processes and the tests use (``infra.runtime.kafka_admin.ensure_topics``,
     ``infra.stores.schema.ensure_schema``); idempotent."""
     sys.path.insert(0, str(ROOT))
+    # deferred: the server commands (start, stop, status) run without loading the Kafka and Cassandra drivers
     from infra.stores.schema import ReadModelSettings, close_cluster, ensure_schema, open_session
     from infra.models.catalog import CatalogError
     from infra.runtime.kafka_admin import TopologyError, deployment_topics, ensure_topics

@@ -59,7 +59,8 @@ class FinishReason(StrEnum):
 
     The ledger keeps it in ``GenerationCompleted.finish_reason`` (completions) and, when not empty, in
     ``UsageRecorded.terminal_reason``. Closed: a worker sends nothing else (an engine's own error text
-    stays in the worker's log as ``engine_error``)."""
+    stays in the worker's log as ``engine_error``). An engine's ``Finished.reason``
+    (``workers.engines.base``) is one of STOP, LENGTH and ABORTED."""
 
     NONE = ""  # no reason given (the command's default; recorded ledgers carry it)
     # The engine ended the answer by itself.
@@ -97,6 +98,59 @@ class FenceReason(StrEnum):
     QUEUE_DEADLINE = "queue_deadline"
     LEASE_EXPIRED = "lease_expired"
     RUN_DEADLINE = "run_deadline"
+
+
+class TerminalReason(StrEnum):
+    """Why an attempt's usage was settled (``UsageRecorded.terminal_reason``).
+
+    A worker's report records its ``FinishReason`` when not empty, else its ``FinishOutcome``; an
+    attempt whose report is lost (the processor fenced it at a deadline) records the ``FenceReason``.
+    The values are those names' own, so a record written before this enum decodes unchanged."""
+
+    # The worker's FinishReason (not empty).
+    STOP = "stop"
+    LENGTH = "length"
+    ABORTED = "aborted"
+    CANCEL = "cancel"
+    FENCED = "fenced"
+    LEASE_LOST = "lease_lost"
+    WORKER_SHUTDOWN = "worker_shutdown"
+    GENERATION_DURATION_MAX = "generation_duration_max"
+    ENGINE_STALLED = "engine_stalled"
+    ABORT_NOT_ACKNOWLEDGED = "abort_not_acknowledged"
+    ENGINE_ENDED_WITHOUT_FINISH = "engine_ended_without_finish"
+    ENGINE_ERROR = "engine_error"
+    OUTPUT_REFUSED = "output_refused"
+    # The worker's FinishOutcome, for a report with no finish reason.
+    COMPLETED = "completed"
+    STOPPED = "stopped"
+    FAILED = "failed"
+    # The processor's FenceReason for a running attempt whose report never came.
+    LEASE_EXPIRED = "lease_expired"
+    RUN_DEADLINE = "run_deadline"
+
+
+_TERMINAL_REASONS = {r.value for r in TerminalReason}
+assert {r.value for r in FinishReason if r is not FinishReason.NONE} <= _TERMINAL_REASONS, "every finish reason settles"
+assert {r.value for r in FinishOutcome} <= _TERMINAL_REASONS, "every outcome settles"
+assert {FenceReason.LEASE_EXPIRED.value, FenceReason.RUN_DEADLINE.value} <= _TERMINAL_REASONS, "every lost report settles"
+
+
+class LateReportReason(StrEnum):
+    """Why a worker's command was dropped (``LateReportIgnored.reason``)."""
+
+    OWNED_ELSEWHERE = "owned_elsewhere"  # another worker accepted the attempt first
+    FENCED_EPOCH = "fenced_epoch"  # the command's epoch is fenced
+    TERMINAL = "terminal"  # the generation already ended
+    STALE_EPOCH = "stale_epoch"  # the command names an epoch other than the current one
+    NOT_CURRENT_OWNER = "not_current_owner"  # the current epoch, but another worker (or none) owns it
+
+
+class AnswerStatus(StrEnum):
+    """How a conversation turn's generation ended, for its answer (``ConversationAnswerPending.status``)."""
+
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"  # cancelled, failed, or never started
 
 
 class SlotReleaseReason(StrEnum):

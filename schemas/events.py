@@ -14,14 +14,17 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from schemas.codes import (
+    AnswerStatus,
     CancelReason,
     FenceReason,
     FinishOutcome,
     FinishReason,
+    LateReportReason,
     RejectionCode,
     RequestStatus,
     RetryAttach,
     SlotReleaseReason,
+    TerminalReason,
     Tier,
 )
 from schemas.commands import ReplyTo
@@ -275,7 +278,7 @@ class UsageRecorded(_EventBase):
     epoch: int
     input_tokens: int
     output_tokens: int
-    terminal_reason: str
+    terminal_reason: TerminalReason
     outcome: FinishOutcome | None
     model_version: str
     tier: Tier
@@ -306,7 +309,7 @@ class LateReportIgnored(_EventBase):
     epoch: int
     command_type: str
     worker_id: str
-    reason: str
+    reason: LateReportReason
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -364,7 +367,7 @@ class ConversationAnswerPending(_EventBase):
     epoch: int
     # How the generation ended ("completed" | "incomplete"): the answer commits with it even if the
     # generation's request record is purged before the writer's CommitAnswer arrives.
-    status: str
+    status: AnswerStatus
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

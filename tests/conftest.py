@@ -40,9 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
 
 # Every process of the run (this one and the subprocesses it starts) reads the tests' model catalog:
-# the default one's model plus the simulator (tests/models.py). Tests of the default catalog name
+# the default one's model plus the simulator (infra/harness/models.py). Tests of the default catalog name
 # its path explicitly.
-from tests.models import TEST_CATALOG_PATH  # noqa: E402
+from infra.harness.models import TEST_CATALOG_PATH  # noqa: E402
 
 os.environ["CHATPLANE_MODEL_CATALOG"] = str(TEST_CATALOG_PATH)
 

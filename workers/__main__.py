@@ -36,7 +36,11 @@ from infra.runtime.log_limits import install_log_limits
 from infra.content.policy_checks import PolicySettings, load_policy_check
 from infra.runtime.settings import SettingsError, env_value, exit_on_settings_error, log_level
 from infra.runtime.metrics_http import MetricsPortUnavailable, start_metrics_server
+from infra.stores.schema import ReadModelSettings
+from infra.stores.session import CassandraSession
 from workers.metrics import WorkerMetrics
+from workers.replay_sink import CassandraReplaySink, NullReplaySink, ReplaySink
+from workers.result_sink import CassandraResultSink
 from workers.settings import WorkerSettings
 from workers.worker import MissingTopics, NullResultSink, ResultSink, Worker
 
@@ -56,15 +60,18 @@ def build_engine(model: CatalogModel, weights: Path | None) -> Engine:
     """The catalog's engine for ``model`` (``weights``: verified against the pinned digest)."""
     match model.engine:
         case EngineKind.SIM:
+            # deferred: a worker loads only the engine its catalog alias names (sim: the simulator aliases)
             from workers.engines.sim import SimConfig, SimulatedEngine
 
             return SimulatedEngine(SimConfig.from_env())
         case EngineKind.CPU:
+            # deferred: the cpu engine needs the optional llama-cpp-python (the cpu extra)
             from workers.engines.cpu import CpuEngine, PromptIdsLog
 
             assert weights is not None
             return CpuEngine(weights, context_tokens=model.context_tokens, prompt_ids_log=PromptIdsLog.from_env())
         case EngineKind.SGLANG:
+            # deferred: the sglang engine needs the optional sglang (the sglang extra, a GPU host)
             from workers.engines.sglang import SGLangEngine
 
             assert weights is not None
@@ -102,16 +109,24 @@ def served_model(settings: WorkerSettings, engine: str | None) -> tuple[CatalogM
         raise ServeRefused(str(exc)) from None
 
 
-def build_result_sink(settings: WorkerSettings) -> ResultSink:
-    """The Cassandra result store unless ``CHATPLANE_WORKER_RESULT_STORE=none`` (opened lazily, bounded per put)."""
+def build_cassandra(settings: WorkerSettings) -> CassandraSession | None:
+    """The worker's one Cassandra session (opened on first use), shared by its result and replay
+    sinks; None when ``CHATPLANE_WORKER_RESULT_STORE=none`` (neither stores anything)."""
+    if settings.result_store == "none":
+        return None
+    # The session opens lazily; its settings (CHATPLANE_CASSANDRA_*) are read now, so a bad value stops the start.
+    return CassandraSession(ReadModelSettings())
+
+
+def build_result_sink(settings: WorkerSettings, cassandra: CassandraSession | None = None) -> ResultSink:
+    """The Cassandra result store unless ``CHATPLANE_WORKER_RESULT_STORE=none`` (opened lazily, bounded per
+    put), on ``cassandra`` (else on a session of its own)."""
     if settings.result_store == "none":
         return NullResultSink()
-    from infra.stores.schema import ReadModelSettings
-    from workers.result_sink import CassandraResultSink
-
     # The store opens lazily; its settings (CHATPLANE_CASSANDRA_*) are read now, so a bad value stops the start.
     return CassandraResultSink(
-        ReadModelSettings(),
+        ReadModelSettings() if cassandra is None else cassandra.settings,
+        cassandra=cassandra,
         attempts_max=settings.result_put_attempts_max,
         backoff_s=settings.result_put_backoff_s,
         deadline_s=settings.result_put_deadline_s,
@@ -122,23 +137,20 @@ def build_result_sink(settings: WorkerSettings) -> ResultSink:
     )
 
 
-def build_replay_sink(settings: WorkerSettings) -> Any:
+def build_replay_sink(settings: WorkerSettings, cassandra: CassandraSession | None = None) -> ReplaySink:
     """Deltas stored for replay (workers/replay_sink.py) unless ``CHATPLANE_WORKER_REPLAY_STORE`` or
-    ``CHATPLANE_WORKER_RESULT_STORE`` is ``none``."""
-    from workers.replay_sink import CassandraReplaySink, NullReplaySink
-
+    ``CHATPLANE_WORKER_RESULT_STORE`` is ``none``, on ``cassandra`` (else on a session of its own)."""
     if settings.result_store == "none" or settings.replay_store == "none":
         return NullReplaySink()
-    from infra.stores.schema import ReadModelSettings
-
-    return CassandraReplaySink(ReadModelSettings())
+    return CassandraReplaySink(ReadModelSettings() if cassandra is None else cassandra.settings, cassandra=cassandra)
 
 
 async def amain(engine_name: str | None) -> None:
     settings = WorkerSettings()
     model, weights = served_model(settings, engine_name)
-    sink = build_result_sink(settings)
-    replay = build_replay_sink(settings)
+    cassandra = build_cassandra(settings)  # one session for both sinks
+    sink = build_result_sink(settings, cassandra)
+    replay = build_replay_sink(settings, cassandra)
     # The output check between decode steps (docs/policy.md), loaded once; a bad list stops the worker.
     policy = PolicySettings()
     metrics = WorkerMetrics()  # served on CHATPLANE_WORKER_METRICS_PORT (docs/metrics.md)
@@ -175,6 +187,8 @@ async def amain(engine_name: str | None) -> None:
             close = getattr(closeable, "close", None)
             if close is not None:
                 await close()
+        if cassandra is not None:
+            await cassandra.close()
 
 
 def main() -> None:

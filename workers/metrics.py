@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 
 from infra.runtime.metrics_http import LATENCY_BUCKETS_S
 from schemas.codes import FinishOutcome, Tier
-from workers.worker import AttemptState, AttemptTrace, DeclineReason, StopReason
+from workers.attempt import AttemptState, AttemptTrace, DeclineReason, StopReason
 
 # Why an attempt never ran: a DeclineReason (the processor was told), "stopped_before_accept" (a
 # cancel or fence arrived first), "not_accepted" (the processor refused the AcceptAttempt or did not answer).

@@ -5,24 +5,26 @@ sent to the edge, so any edge can replay a generation from durable state (issue 
     Worker._send_delta --put(generation, epoch, seq, text)--> generation_events   (write-ahead)
                        --TextDelta--> edge inbox                                   (then)
 
-Failure behaviour (bounded, never hangs a stream): the connection opens lazily on the first ``put``,
-one open at a time, a failed open retried no more often than ``REPLAY_REOPEN_INTERVAL_S``; one
-``put`` waits at most ``REPLAY_WRITE_TIMEOUT_S``. A failed ``put`` returns False and the attempt
-stops storing its deltas (``_Attempt.replay_stored``): its client still gets every delta live, and a
-replay of it ends at the last delta stored, followed by the terminal event (documented as the one
-case where a replay has a gap: the history store was down while the answer streamed).
+Failure behaviour (bounded, never hangs a stream): the store is built lazily on the first ``put``,
+on the worker's one Cassandra session (``infra.stores.session.CassandraSession``, shared with the
+result sink): one open at a time, a failed open retried no more often than
+``CHATPLANE_CASSANDRA_REOPEN_INTERVAL_S``, a ``put`` waiting at most ``OPEN_WAIT_S`` for an open in
+flight; one ``put`` waits at most ``REPLAY_WRITE_TIMEOUT_S``. A failed ``put`` returns False and the
+attempt stops storing its deltas (``Attempt.replay_stored``): its client still gets every delta
+live, and a replay of it ends at the last delta stored, followed by the terminal event (documented as
+the one case where a replay has a gap: the history store was down while the answer streamed).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from typing import Any, Protocol
+from typing import Protocol
+
+from infra.stores.replay import ReplayStore
+from infra.stores.schema import ReadModelSettings
+from infra.stores.session import CassandraSession
 
 log = logging.getLogger("chatplane.workers.replay")
-
-REPLAY_REOPEN_INTERVAL_S = 5.0
 
 
 class ReplaySink(Protocol):
@@ -37,29 +39,20 @@ class NullReplaySink:
 
 
 class CassandraReplaySink:
-    def __init__(self, settings: Any = None, *, reopen_interval_s: float = REPLAY_REOPEN_INTERVAL_S) -> None:
-        self.settings = settings
-        self.reopen_interval_s = reopen_interval_s
-        self.store: Any = None
-        self._opened_at = -reopen_interval_s
-        self._lock = asyncio.Lock()
+    """Deltas into ``ReplayStore`` on the worker's shared session (``cassandra``), or on a session of
+    its own (``settings``; released by ``close``)."""
+
+    def __init__(self, settings: ReadModelSettings | None = None, *, cassandra: CassandraSession | None = None) -> None:
+        self._own_session = CassandraSession(settings) if cassandra is None else None
+        self._cassandra = cassandra or self._own_session
         self.stored = 0
         self.failed = 0
 
-    async def _open(self) -> Any:
-        if self.store is not None:
-            return self.store
-        async with self._lock:
-            if self.store is None and time.monotonic() - self._opened_at >= self.reopen_interval_s:
-                self._opened_at = time.monotonic()
-                try:
-                    from infra.stores.replay import ReplayStore
-
-                    async with asyncio.timeout(10.0):
-                        self.store = await ReplayStore.open(self.settings)
-                except Exception as exc:  # noqa: BLE001 - unavailable; the next open waits the interval
-                    log.warning("replay store unavailable: %s", type(exc).__name__)
-        return self.store
+    async def _open(self) -> ReplayStore | None:
+        try:
+            return await self._cassandra.store(ReplayStore)
+        except Exception:  # noqa: BLE001 - unavailable (logged by the session); the next open waits the interval
+            return None
 
     async def put(self, generation_id: str, epoch: int, seq: int, text: str) -> bool:
         store = await self._open()
@@ -76,6 +69,5 @@ class CassandraReplaySink:
         return True
 
     async def close(self) -> None:
-        if self.store is not None:
-            await self.store.close()
-            self.store = None
+        if self._own_session is not None:
+            await self._own_session.close()

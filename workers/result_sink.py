@@ -11,9 +11,11 @@ Data flow::
 
 Failure behaviour (bounded, typed, never hangs the worker):
 
-* The connection is opened lazily on the first ``put`` (the worker starts and serves while Cassandra
-  is still coming up). One open is in flight at a time; a failed open is retried no more often than
-  every ``RESULT_REOPEN_INTERVAL_S``, so during an outage each ``put`` fails fast.
+* The store is built lazily on the first ``put``, on the worker's one Cassandra session
+  (``infra.stores.session.CassandraSession``, shared with the replay sink), so the worker starts and
+  serves while Cassandra is still coming up. One open is in flight at a time; a failed open is
+  retried no more often than every ``CHATPLANE_CASSANDRA_REOPEN_INTERVAL_S`` (the session's one
+  reopen policy), so during an outage each ``put`` fails fast.
 * One ``put`` makes at most ``settings.result_put_attempts_max`` attempts, ``result_put_backoff_s``
   apart, each write bounded by ``deadline / attempts``, all inside one budget of
   ``settings.result_put_deadline_s`` (default 4 s, under the 10 s lease minus the 3 s renewal
@@ -45,12 +47,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from infra.stores.schema import ReadModelSettings
 from infra.stores.results import CassandraResultStore, ResultTooLarge
+from infra.stores.schema import REOPEN_INTERVAL_S_DEFAULT, ReadModelSettings
+from infra.stores.session import CassandraSession, Reopening
 
 log = logging.getLogger("chatplane.workers.results")
-
-RESULT_REOPEN_INTERVAL_S = 5.0  # a failed lazy open is retried no more often than this
 
 
 @dataclass
@@ -71,10 +72,11 @@ class CassandraResultSink:
         self,
         settings: ReadModelSettings | None = None,
         *,
+        cassandra: CassandraSession | None = None,
         attempts_max: int = 3,
         backoff_s: float = 0.2,
         deadline_s: float = 4.0,
-        reopen_interval_s: float = RESULT_REOPEN_INTERVAL_S,
+        reopen_interval_s: float | None = None,
         opener: Callable[[], Awaitable[Any]] | None = None,
         pending_max: int = 1_000,
         pending_bytes_max: int = 16 * 1024 * 1024,
@@ -91,42 +93,37 @@ class CassandraResultSink:
         self._pending: OrderedDict[tuple[str, int], tuple[str, int, tuple[int, int], float]] = OrderedDict()
         self._pending_bytes = 0
         self._retrying: asyncio.Task[None] | None = None
-        self._settings = settings
-        # How the store is opened (tests pass a fake); by default CassandraResultStore.open(settings).
-        self._opener = opener or (lambda: CassandraResultStore.open(self._settings or ReadModelSettings()))
         self.attempts_max = attempts_max
         self.backoff_s = backoff_s
         self.deadline_s = deadline_s
-        self.reopen_interval_s = reopen_interval_s
         self.stats = ResultSinkStats()
-        self._store: Any = None
-        self._opening: asyncio.Task[Any] | None = None
-        self._open_failed_at = float("-inf")
+        # Where the store comes from, opened lazily under the session's one reopen policy (shielded:
+        # a put whose budget runs out leaves the open running for the next put). By default the
+        # CassandraResultStore on the worker's shared session (``cassandra``), else on a session of
+        # this sink's own (``settings``); tests pass ``opener`` (a fake store).
+        self._own_session: CassandraSession | None = None
+        self._owns_opener = opener is not None
+        self._store_open: Reopening[Any]
+        if opener is not None:
+            self._store_open = Reopening("result store", opener, REOPEN_INTERVAL_S_DEFAULT, release=_close)
+        else:
+            if cassandra is None:
+                cassandra = self._own_session = CassandraSession(settings)
+            self._store_open = cassandra.reopening(CassandraResultStore)
+        if reopen_interval_s is not None:
+            self.reopen_interval_s = reopen_interval_s
+
+    @property
+    def reopen_interval_s(self) -> float:
+        """A failed open is retried no more often than this (the session's policy unless set)."""
+        return self._store_open.interval_s
+
+    @reopen_interval_s.setter
+    def reopen_interval_s(self, value: float) -> None:
+        self._store_open.interval_s = value
 
     async def _get_store(self) -> Any:
-        if self._store is not None:
-            return self._store
-        if self._opening is None:
-            if time.monotonic() - self._open_failed_at < self.reopen_interval_s:
-                raise ConnectionError("result store unavailable (last open failed recently)")
-            self._opening = asyncio.create_task(self._opener())
-            self._opening.add_done_callback(self._opened)
-        # Shielded: a put whose budget runs out leaves the open running for the next put (no leak).
-        return await asyncio.shield(self._opening)
-
-    def _opened(self, task: asyncio.Task[Any]) -> None:
-        self._opening = None
-        if task.cancelled():
-            self._open_failed_at = time.monotonic()
-            return
-        exc = task.exception()
-        if exc is not None:
-            self._open_failed_at = time.monotonic()
-            self.stats.last_error = type(exc).__name__
-            log.warning("result store: open failed (%s); retried at most every %.0f s", type(exc).__name__,
-                        self.reopen_interval_s)
-            return
-        self._store = task.result()  # close() releases it, also when it arrives after close() began
+        return await self._store_open.get()
 
     async def put(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> bool | None:
         """True: stored; False: held for the later write; None: over the size limit (never stored)."""
@@ -220,9 +217,13 @@ class CassandraResultSink:
                 await self._retrying
         for key in list(self._pending):
             self._give_up(key, "the worker stopped")
-        if self._opening is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(self._opening), self.deadline_s)
-        if self._store is not None:
-            store, self._store = self._store, None
-            await store.close()
+        # The store of a test's opener, or the session this sink opened for itself: released here
+        # (waiting for an open in flight at most the put budget). A shared session is its owner's.
+        if self._own_session is not None:
+            await self._own_session.close(self.deadline_s)
+        elif self._owns_opener:
+            await self._store_open.close(self.deadline_s)
+
+
+async def _close(store: Any) -> None:
+    await store.close()

@@ -21,7 +21,8 @@ import uuid
 from dataclasses import dataclass
 
 from infra.runtime.metrics_http import METRICS_HOST_DEFAULT, METRICS_HOST_ENV
-from infra.runtime.settings import SettingsError, env_var, setting
+from infra.runtime.settings import kafka_bootstrap_setting, SettingsError, env_var, setting
+from control_plane.policy import LEASE_MS_DEFAULT
 from schemas.topics import Topology
 
 RESULT_STORES = ("cassandra", "none")
@@ -33,7 +34,7 @@ def _default_worker_id() -> str:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    kafka_bootstrap: str = setting("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    kafka_bootstrap: str = kafka_bootstrap_setting()
     topology: Topology = setting("CHATPLANE_NAMESPACE", Topology(""), parse=Topology, expected="a namespace")
     worker_id: str = setting("CHATPLANE_WORKER_ID", kind=str, default_factory=_default_worker_id)
     model_alias: str = setting("CHATPLANE_WORKER_MODEL_ALIAS", "fast-text-model")
@@ -48,7 +49,7 @@ class WorkerSettings:
     renew_interval_s: float = setting("CHATPLANE_WORKER_RENEW_INTERVAL_S", 3.0, gt=0)
     # The processor's lease (the same variable it reads, default Policy.lease_ms): an attempt whose
     # lease no renewal confirmed in time stops its engine ("lease_lost") instead of computing on.
-    lease_ms: int = setting("CHATPLANE_LEASE_MS", 10_000, ge=1)
+    lease_ms: int = setting("CHATPLANE_LEASE_MS", LEASE_MS_DEFAULT, ge=1)
     # Deltas to the edge: the first text of a generation goes at once; after it, engine text is
     # gathered into the next delta until the previous one is acknowledged by Kafka and at least
     # delta_interval_ms passed since it was sent (0: only the acknowledgement), up to

@@ -25,12 +25,13 @@ from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, Response
 
-from control_plane.decide import conversation_id_for
-from edge.deps import CurrentPrincipal, IdempotencyKey
+from control_plane.ids import conversation_id_for
+from edge.deps import CurrentPrincipal, EdgeDep, IdempotencyKey
 from edge.errors import ApiError
 from edge.history import owned_conversation
 from edge.routes.generations import _ERRORS, STRICT_PARSING_NOTE, _STRICT, read_body, validated
 from infra.runtime.command_client import DecisionTimeout, TooManyPending
+from infra.stores.history import BucketBudget
 from schemas.codes import RejectionCode
 from schemas.commands import CreateConversation, DeleteConversation
 from schemas.messages import Outcome, OutcomeKind
@@ -141,13 +142,14 @@ def _now_ms() -> int:
     response_model=ConversationDocument,
     responses=_ERRORS,
 )
-async def create_conversation(request: Request, principal: CurrentPrincipal, key: IdempotencyKey) -> Response:
-    edge = request.app.state.edge
+async def create_conversation(
+    request: Request, principal: CurrentPrincipal, key: IdempotencyKey, edge: EdgeDep
+) -> Response:
     body = await read_body(request, CREATE_BODY_BYTES_MAX)
     req = validated(_json(body), CreateConversationRequest)
     cid = conversation_id_for(principal.user_id, key)
     history = edge.history
-    row = await history.call("get_conversation", cid)
+    row = await history.get_conversation(cid)
     if row is not None and row.user_id != principal.user_id:
         raise ApiError(RejectionCode.NOT_FOUND)  # cannot happen (the id is derived from the user)
     if row is not None and row.title != req.title:
@@ -160,7 +162,7 @@ async def create_conversation(request: Request, principal: CurrentPrincipal, key
     if row is None:
         # The title first (the ledger never holds it); a refused create leaves an unconfirmed row,
         # which every read ignores.
-        await history.call("put_conversation", cid, principal.user_id, req.title, created_at_ms)
+        await history.put_conversation(cid, principal.user_id, req.title, created_at_ms)
     outcome = await _decide(
         edge,
         CreateConversation(
@@ -172,7 +174,7 @@ async def create_conversation(request: Request, principal: CurrentPrincipal, key
         raise ApiError(outcome.code or RejectionCode.NOT_FOUND, outcome.details)
     # Confirmed here too (the history writer does the same from the ledger), so the 201 is followed
     # by reads and a list that show it.
-    await history.call("confirm_conversation", cid, principal.user_id, created_at_ms)
+    await history.confirm_conversation(cid, principal.user_id, created_at_ms)
     doc = {
         "id": cid,
         "title": req.title,
@@ -196,14 +198,13 @@ def _json(body: bytes) -> Any:
 
 @router.get("", summary="The caller's conversations, most recently updated first", response_model=ConversationList, responses=_ERRORS)
 async def list_conversations(
-    request: Request,
     principal: CurrentPrincipal,
+    edge: EdgeDep,
     limit: Annotated[int, Query(ge=1, le=LIST_LIMIT_MAX)] = LIST_LIMIT_DEFAULT,
     cursor: Annotated[str | None, Query(min_length=1, max_length=512)] = None,
 ) -> Response:
-    edge = request.app.state.edge
     try:
-        rows, next_cursor = await edge.history.call("list_conversations", principal.user_id, limit, cursor)
+        rows, next_cursor = await edge.history.list_conversations(principal.user_id, limit, cursor)
     except ValueError:
         raise ApiError(RejectionCode.INVALID_REQUEST, field="cursor") from None
     doc = {"data": [_conversation_doc(r) for r in rows], "next_cursor": next_cursor}
@@ -211,8 +212,8 @@ async def list_conversations(
 
 
 @router.get("/{conversation_id}", summary="A conversation's metadata and committed revision", response_model=ConversationDocument, responses=_ERRORS)
-async def get_conversation(request: Request, principal: CurrentPrincipal, conversation_id: ConversationId) -> Response:
-    row = await owned_conversation(request.app.state.edge.history, conversation_id, principal.user_id)
+async def get_conversation(principal: CurrentPrincipal, conversation_id: ConversationId, edge: EdgeDep) -> Response:
+    row = await owned_conversation(edge.history, conversation_id, principal.user_id)
     return JSONResponse(_conversation_doc(row), headers={"Cache-Control": "no-store"})
 
 
@@ -228,16 +229,16 @@ async def get_conversation(request: Request, principal: CurrentPrincipal, conver
     responses=_ERRORS,
 )
 async def read_messages(
-    request: Request,
     principal: CurrentPrincipal,
     conversation_id: ConversationId,
+    edge: EdgeDep,
     after: Annotated[int | None, Query(ge=0)] = None,
     before: Annotated[int | None, Query(ge=1)] = None,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "asc",
     limit: Annotated[int, Query(ge=1, le=MESSAGES_LIMIT_MAX)] = MESSAGES_LIMIT_DEFAULT,
     branch: Annotated[str, Query(pattern="^(active|all)$")] = "active",
 ) -> Response:
-    history = request.app.state.edge.history
+    history = edge.history
     row = await owned_conversation(history, conversation_id, principal.user_id)
     if before is not None and after is not None:
         raise ApiError(RejectionCode.INVALID_REQUEST, field="before")
@@ -251,16 +252,14 @@ async def read_messages(
     # reads the newest page (descending) or nothing (ascending), never the empty buckets beyond.
     newest = row.revision + 1
     cursor = min(before if before is not None else newest, newest) if descending else min(after or 0, row.revision)
-    from infra.stores.history import BucketBudget  # imported where used, as edge.history does
-
     budget = BucketBudget(MESSAGES_BUCKETS_PER_READ_MAX)
     last_seen: int | None = None
     for _ in range(MESSAGES_REFILLS_MAX):
         wanted = limit - len(page)
         if descending:
-            rows = await history.call("read_before", conversation_id, cursor, wanted, budget=budget)
+            rows = await history.read_before(conversation_id, cursor, wanted, budget=budget)
         else:
-            rows = await history.call("read_after", conversation_id, cursor, wanted, row.revision, budget=budget)
+            rows = await history.read_after(conversation_id, cursor, wanted, row.revision, budget=budget)
         for m in rows:
             last_seen = m.seq
             if m.status is None or (branch == "active" and m.superseded_by is not None):
@@ -279,10 +278,11 @@ async def read_messages(
 
 
 @router.delete("/{conversation_id}", status_code=204, summary="Delete a conversation and every message of it (idempotent)", responses=_ERRORS)
-async def delete_conversation(request: Request, principal: CurrentPrincipal, conversation_id: ConversationId) -> Response:
-    edge = request.app.state.edge
+async def delete_conversation(
+    request: Request, principal: CurrentPrincipal, conversation_id: ConversationId, edge: EdgeDep
+) -> Response:
     history = edge.history
-    row = await history.call("get_conversation", conversation_id)
+    row = await history.get_conversation(conversation_id)
     if row is not None and row.user_id != principal.user_id:
         raise ApiError(RejectionCode.NOT_FOUND)
     restore = row.parked_revision if row is not None and row.parked_revision is not None else -1
@@ -299,5 +299,5 @@ async def delete_conversation(request: Request, principal: CurrentPrincipal, con
     if row is not None and row.status != "deleted":
         # Reads answer 404 from now on; the history writer removes every row (messages, index,
         # results of its generations) from the ledger's ConversationDeleted.
-        await history.call("mark_deleted", conversation_id)
+        await history.mark_deleted(conversation_id)
     return Response(status_code=204)

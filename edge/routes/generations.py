@@ -18,7 +18,7 @@ import functools
 import logging
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -26,9 +26,10 @@ from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from control_plane.decide import generation_id_for
+from control_plane.ids import generation_id_for
+from control_plane.policy import ModelEntry
 from edge.body import read_body  # the one body reader; re-exported for the routes that import it from here
-from edge.deps import CurrentPrincipal, IdempotencyKey
+from edge.deps import CurrentPrincipal, EdgeDep, IdempotencyKey, edge_state
 from edge.errors import DRAINING_RETRY_AFTER_S, ApiError
 from edge.fingerprint import fingerprint
 from edge.history import PreparedTurn, answer_visible, prepare_turn
@@ -37,6 +38,7 @@ from edge.readmodel import result_pending
 from edge.replay import REPLAY_LOOKUP_WAIT_S, Replay, resume_point
 from edge.settings import EdgeSettings
 from edge import sse
+from edge.state import Edge
 from edge.streams import GenerationStream, GenerationView, StreamHub
 from infra.runtime import tracing
 from infra.runtime.command_client import DecisionTimeout, TooManyPending
@@ -264,8 +266,7 @@ def _document(view: GenerationView, text: str | None) -> dict[str, Any]:
         **_ERRORS,
     },
 )
-async def submit(request: Request, principal: CurrentPrincipal, key: IdempotencyKey) -> Response:
-    edge = request.app.state.edge
+async def submit(request: Request, principal: CurrentPrincipal, key: IdempotencyKey, edge: EdgeDep) -> Response:
     received_s = time.monotonic()
     settings = edge.settings
     refuse_while_draining(edge)
@@ -311,10 +312,40 @@ async def admit(
     capacity estimate, the processor's decision. Returns the held stream of an admitted generation
     (its events written by ``framer``), or the outcome of a same-key retry of existing work (or of a
     keyless try the processor attached to an earlier try's generation: ``retry_attach``); a refusal
-    raises ``ApiError``."""
-    edge = request.app.state.edge
-    settings = edge.settings
+    raises ``ApiError``. Its steps, in order, are the functions that follow it."""
+    edge = edge_state(request)
     note_stream(request, req.stream)
+    model = _allowed_model(edge.settings, req, principal)
+    # Shed before counting tokens (the costliest check) and before the burst bucket: a submit refused
+    # for the stack's load costs the edge little and the user no burst token.
+    _refuse_if_shedding(edge)
+    counted = await _count_input(edge, req, principal)
+    _take_burst_token(edge, principal)
+    _check_prompt(edge, request, counted.client_messages)
+    command = _submit_command(edge, request, principal, key, req, model, counted, retry_attach)
+    await _before_append(edge, principal, command, model, counted)
+    outcome, traced = await _append_and_decide(edge, command, received_s)
+    _refuse_rejected(edge.settings, outcome)
+    if outcome.kind is OutcomeKind.EXISTING or outcome.attached:
+        note_decision(request, AdmissionResult.EXISTING, req.stream, outcome.generation_id)
+        return outcome
+    return _hold_admitted(edge, request, principal, req, model, counted, outcome, traced, received_s, framer)
+
+
+@dataclass(frozen=True)
+class _CountedInput:
+    """A request's input, as ``admit`` counted it."""
+
+    messages: tuple[ChatMessage, ...]  # what the model reads (a turn's: the stored history and the new message)
+    client_messages: tuple[ChatMessage, ...]  # what the client sent (the prompt check reads these)
+    fingerprinted: tuple[ChatMessage, ...]  # what the fingerprint covers
+    input_tokens: int
+    turn: PreparedTurn | None  # a conversation turn's prepared context; None: stateless
+
+
+def _allowed_model(settings: EdgeSettings, req: Any, principal: Any) -> ModelEntry:
+    """The requested model, once the request's last message is the user's (stateless requests) and
+    the caller's tier may use the model; a 400 or 403 naming the field otherwise."""
     conversation_id = getattr(req, "conversation_id", None)
     if not conversation_id and req.messages[-1].role != "user":
         raise ApiError(RejectionCode.INVALID_REQUEST, field=f"messages.{len(req.messages) - 1}.role")
@@ -323,14 +354,24 @@ async def admit(
         raise ApiError(RejectionCode.INVALID_REQUEST, field="model")
     if principal.tier not in model.tiers:
         raise ApiError(RejectionCode.MODEL_NOT_ALLOWED, field="model")
-    # Shed before counting tokens (the costliest check) and before the burst bucket: a submit refused
-    # for the stack's load costs the edge little and the user no burst token.
+    return model
+
+
+def _refuse_if_shedding(edge: Edge) -> None:
+    """The load shedder's refusal, counted, if it refuses submits now."""
     shed = edge.shedder.refusal()
     if shed is not None:
         reason, refusal = shed
         edge.metrics.shed.labels(reason).inc()
         edge.metrics.admissions.labels(refusal.code.value).inc()
         raise refusal
+
+
+async def _count_input(edge: Edge, req: Any, principal: Any) -> _CountedInput:
+    """The model's input and its tokens (a conversation turn's context is built from the stored
+    history here), refused past ``input_tokens_max``."""
+    settings = edge.settings
+    conversation_id = getattr(req, "conversation_id", None)
     messages = tuple(ChatMessage(role=m.role, content=m.content) for m in req.messages)
     client_messages = messages  # what the client sent (a turn's context adds stored, checked history)
     turn: PreparedTurn | None = None
@@ -346,12 +387,21 @@ async def admit(
         input_tokens = edge.count_tokens(req.model, messages)
     if input_tokens > settings.input_tokens_max:
         raise ApiError(RejectionCode.INVALID_REQUEST, field="messages", details=RejectionDetails(limit=settings.input_tokens_max))
+    return _CountedInput(messages, client_messages, fingerprinted, input_tokens, turn)
+
+
+def _take_burst_token(edge: Edge, principal: Any) -> None:
+    """One token of the caller's burst bucket; ``429 rate_limited`` (scope user) while it is empty."""
     wait_s = edge.buckets.take(principal.user_id)
     if wait_s > 0:
         edge.metrics.admissions.labels(RejectionCode.RATE_LIMITED.value).inc()
         raise ApiError(
             RejectionCode.RATE_LIMITED, details=RejectionDetails(retry_after_ms=int(wait_s * 1000)), scope=RateLimitScope.USER
         )
+
+
+def _check_prompt(edge: Edge, request: Request, client_messages: tuple[ChatMessage, ...]) -> None:
+    """The prompt check, when one is configured."""
     if edge.policy_check is not None:
         # The prompt check (docs/policy.md), after the buckets (probing a check costs burst tokens) and
         # before the command: a refused prompt reserves nothing. The log names ids and the check only.
@@ -360,17 +410,32 @@ async def admit(
             log.info("prompt refused request_id=%s check=%s", request.state.request_id, verdict.check)
             edge.metrics.admissions.labels(RejectionCode.PROMPT_REFUSED.value).inc()
             raise ApiError(RejectionCode.PROMPT_REFUSED)
+
+
+def _submit_command(
+    edge: Edge,
+    request: Request,
+    principal: Any,
+    key: str,
+    req: Any,
+    model: ModelEntry,
+    counted: _CountedInput,
+    retry_attach: RetryAttach,
+) -> SubmitGeneration:
+    """The ``SubmitGeneration`` command of a checked request, with the capacity estimate."""
+    settings = edge.settings
+    input_tokens = counted.input_tokens
     estimate_ms = (
         edge.capacity.estimate_wait_ms(model.pool, input_tokens, req.max_output_tokens) if settings.capacity_check else 0
     )
     request_id = request.state.request_id
     issued_at_ms = _now_ms()
-    command = SubmitGeneration(
+    return SubmitGeneration(
         command_id=uuid.uuid4().hex,
         user_id=principal.user_id,
         issued_at_ms=issued_at_ms,
         idempotency_key=key,
-        fingerprint=fingerprint(settings.fingerprint_key, req.model, fingerprinted, req.max_output_tokens),
+        fingerprint=fingerprint(settings.fingerprint_key, req.model, counted.fingerprinted, req.max_output_tokens),
         model_alias=req.model,
         tier=principal.tier,
         risk_class=principal.risk_class,
@@ -385,19 +450,36 @@ async def admit(
         reader_id="" if getattr(req, "background", False) else edge.edge_id,
         reply_to=edge.client.reply_to(request_id),
         retry_attach=retry_attach,
-        **_turn_command_fields(turn),
+        **_turn_command_fields(counted.turn),
     )
+
+
+async def _before_append(
+    edge: Edge, principal: Any, command: SubmitGeneration, model: ModelEntry, counted: _CountedInput
+) -> None:
+    """What goes out before the command: a turn's new user message to the history store, and the
+    prompt to its pool's prompt topic (when prompts travel on one)."""
+    settings = edge.settings
+    turn, messages = counted.turn, counted.messages
+    issued_at_ms = command.issued_at_ms
     if turn is not None and turn.new_message is not None:
         # The user message is stored before the submit: a turn the processor commits is never lost
         # to a crash after it (edge/history.py). Keyed by the generation id this submit will get.
-        await edge.history.call(
-            "put_turn_input", generation_id_for(principal.user_id, command.command_id), turn.conversation_id,
+        await edge.history.put_turn_input(
+            generation_id_for(principal.user_id, command.command_id), turn.conversation_id,
             turn.new_message.content, issued_at_ms,
         )
     if settings.prompt_topic:
         # The generation id a new key's submit gets; the prompt goes where its dispatch will.
         generation_id = generation_id_for(principal.user_id, command.command_id)
-        edge.hub.publish_prompt(settings.topology.prompts(model.pool).name, generation_id, principal.user_id, messages)
+        edge.prompts.publish(settings.topology.prompts(model.pool).name, generation_id, principal.user_id, messages)
+
+
+async def _append_and_decide(edge: Edge, command: SubmitGeneration, received_s: float) -> tuple[Outcome, Any]:
+    """The command appended and the processor's decision awaited (fail closed: ``503
+    quota_service_unavailable`` when none comes in time), timed for the shedder and the metrics; the
+    outcome and the generation's trace (None when tracing is off)."""
+    settings = edge.settings
     sent_s = time.monotonic()
     traced = tracing.begin_generation(received_s, command)  # None when tracing is off (docs/tracing.md)
     edge.shedder.deciding += 1
@@ -420,6 +502,11 @@ async def admit(
     edge.metrics.shed_limit.set(edge.shedder.limit)
     label = outcome.code.value if outcome.code is not None else outcome.kind.value
     edge.metrics.admissions.labels(label).inc()
+    return outcome, traced
+
+
+def _refuse_rejected(settings: EdgeSettings, outcome: Outcome) -> None:
+    """The processor's refusal as the client's ``ApiError`` (with what a retry needs to know)."""
     if outcome.kind is OutcomeKind.REJECTED:
         assert outcome.code is not None
         extra = None
@@ -437,9 +524,21 @@ async def admit(
             # The core says when to retry; the limit itself is the shared policy's.
             details = replace(details, limit=settings.policy.concurrency_limit)
         raise ApiError(outcome.code, details, extra=extra)
-    if outcome.kind is OutcomeKind.EXISTING or outcome.attached:
-        note_decision(request, AdmissionResult.EXISTING, req.stream, outcome.generation_id)
-        return outcome
+
+
+def _hold_admitted(
+    edge: Edge,
+    request: Request,
+    principal: Any,
+    req: Any,
+    model: ModelEntry,
+    counted: _CountedInput,
+    outcome: Outcome,
+    traced: Any,
+    received_s: float,
+    framer: sse.Framer,
+) -> GenerationStream:
+    """An admitted generation's stream, held by the hub for its events."""
     assert outcome.kind is OutcomeKind.ADMITTED and outcome.generation_id is not None
     stream = GenerationStream(
         generation_id=outcome.generation_id,
@@ -447,8 +546,8 @@ async def admit(
         tier=principal.tier,
         epoch=outcome.epoch,
         streaming=req.stream,
-        messages=messages,
-        input_tokens=input_tokens,
+        messages=counted.messages,
+        input_tokens=counted.input_tokens,
         model_version=outcome.model_version or model.version,
         received_s=received_s,
         admitted_s=time.monotonic(),
@@ -564,7 +663,7 @@ async def _existing_stream(request: Request, user_id: str, outcome: Outcome) -> 
     """A same-key retry of a settled generation that asked for a stream: its events replayed from the
     start (created, the stored deltas, the terminal event, with the ids the first stream had), the
     form the request asked for, exactly as ``GET /v1/generations/{id}/events`` would send them."""
-    edge = request.app.state.edge
+    edge = edge_state(request)
     view, text = await existing_result(edge, user_id, outcome)  # result_unavailable past the text's retention
     await _turn_end_visible(edge, view)
     headers = {**SSE_HEADERS, "X-Request-Id": request.state.request_id}
@@ -614,8 +713,7 @@ async def existing_result(edge: Any, user_id: str, outcome: Outcome) -> tuple[Ge
     response_model=GenerationDocument,
     responses=_ERRORS,
 )
-async def get_generation(request: Request, principal: CurrentPrincipal, generation_id: GenerationId) -> Response:
-    edge = request.app.state.edge
+async def get_generation(principal: CurrentPrincipal, generation_id: GenerationId, edge: EdgeDep) -> Response:
     view, text = await edge.lookup_with_result(generation_id, principal.user_id)
     if view is None:
         raise ApiError(RejectionCode.NOT_FOUND)
@@ -656,9 +754,9 @@ async def generation_events(
     request: Request,
     principal: CurrentPrincipal,
     generation_id: GenerationId,
+    edge: EdgeDep,
     after: Annotated[int | None, Query(ge=0, le=10_000_000)] = None,
 ) -> Response:
-    edge = request.app.state.edge
     start = resume_point(request.headers.get("last-event-id"), after)
     view = await edge.lookup(generation_id, principal.user_id)
     if view is None and await edge.replay.has_deltas(generation_id):
@@ -691,8 +789,9 @@ async def generation_events(
     response_model=CancelDocument,
     responses={202: {"model": CancelDocument, "description": "cancel_requested"}, **_ERRORS},
 )
-async def cancel_generation(request: Request, principal: CurrentPrincipal, generation_id: GenerationId) -> Response:
-    edge = request.app.state.edge
+async def cancel_generation(
+    request: Request, principal: CurrentPrincipal, generation_id: GenerationId, edge: EdgeDep
+) -> Response:
     # The command goes to the principal's own ledger partition: another user's generation is simply
     # not there, so the answer is the same 404 as for an id that never existed.
     command = CancelGeneration(

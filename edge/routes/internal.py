@@ -32,6 +32,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Request
 from starlette.responses import Response
 
+from edge.deps import EdgeDep
 from edge.errors import ApiError
 
 ROUTE_KEY_PATH = "/internal/route-key"
@@ -58,9 +59,8 @@ def route_key(user_id: str, key: str) -> str:
 
 @router.get("/route-key", status_code=204)
 async def user_route_key(
-    request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
+    request: Request, edge: EdgeDep, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
 ) -> Response:
-    edge = request.app.state.edge
     if not edge.ip_limiter.has_token(request.scope):
         return Response(status_code=204, headers=NO_CACHE_HEADERS)
     try:

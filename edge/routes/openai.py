@@ -22,7 +22,7 @@ from fastapi.routing import APIRoute
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from edge import sse
-from edge.deps import CurrentPrincipal, idempotency_key
+from edge.deps import CurrentPrincipal, EdgeDep, edge_state, idempotency_key
 from edge.errors import ApiError, request_id_of
 from edge.outcomes import note_refusal
 from edge.openai_compat import (
@@ -141,9 +141,9 @@ _OPENAI_ERRORS = {
 async def chat_completions(
     request: Request,
     principal: CurrentPrincipal,
+    edge: EdgeDep,
     raw_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> Response:
-    edge = request.app.state.edge
     received_s = time.monotonic()
     settings = edge.settings
     refuse_while_draining(edge)
@@ -210,7 +210,7 @@ async def _follow(request: Request, user_id: str, outcome: Outcome, req: Any, in
     """A keyless retry the processor attached to a generation still queued or running: follow it and
     answer as the first try would have (streamed or settled)."""
     assert outcome.generation_id is not None and outcome.status is not None
-    follower = Follower(request.app.state.edge, user_id, outcome.generation_id)
+    follower = Follower(edge_state(request), user_id, outcome.generation_id)
     follower.open()
     if req.stream:
         framer = ChatCompletionFramer(req.model, req.max_output_tokens, include_usage)
@@ -250,8 +250,7 @@ def _settled(view: GenerationView, text: str | None, req: Any, include_usage: bo
 
 
 @router.get("/models", summary="The model aliases the caller's tier may use (OpenAI's list shape)")
-async def list_models(request: Request, principal: CurrentPrincipal) -> Response:
-    edge = request.app.state.edge
+async def list_models(principal: CurrentPrincipal, edge: EdgeDep) -> Response:
     models = edge.settings.policy.models
     data = [
         {"id": alias, "object": "model", "created": model_created_s(edge.catalog, alias, edge.catalog_written_s), "owned_by": "chatplane"}

@@ -32,7 +32,7 @@ from starlette.staticfiles import StaticFiles
 from control_plane.policy import Policy
 from edge.auth import mint
 from edge.body import read_json
-from edge.deps import CurrentPrincipal
+from edge.deps import CurrentPrincipal, EdgeDep
 from edge.errors import ApiError
 from edge.routes.generations import validated
 from schemas.codes import RateLimitScope, RejectionCode, Tier
@@ -99,8 +99,7 @@ async def page() -> Response:
 @router.post(
     "/v1/client-metrics", status_code=204, summary="The web page's first-token beacon (a number, no content)",
 )
-async def client_metrics(request: Request, principal: CurrentPrincipal) -> Response:
-    edge = request.app.state.edge
+async def client_metrics(request: Request, principal: CurrentPrincipal, edge: EdgeDep) -> Response:
     report = validated(await read_json(request, CLIENT_METRICS_BODY_BYTES_MAX), client_metrics_model_for(edge.settings.policy))
     wait_s = edge.beacon_buckets.take(principal.user_id)
     if wait_s > 0:
@@ -120,11 +119,11 @@ async def dev_info() -> Response:
 
 
 @dev_router.post("/token")
-async def dev_token(request: Request) -> Response:
+async def dev_token(request: Request, edge: EdgeDep) -> Response:
     body = validated(await read_json(request, DEV_TOKEN_BODY_BYTES_MAX), DevTokenRequest)
     if not DEV_USER_RE.match(body.user):
         raise ApiError(RejectionCode.INVALID_REQUEST, field="user")
-    token = mint(request.app.state.edge.settings, body.user, Tier(body.tier), DEV_TOKEN_TTL_S)
+    token = mint(edge.settings, body.user, Tier(body.tier), DEV_TOKEN_TTL_S)
     return JSONResponse(
         {"token": token, "token_type": "bearer", "expires_in": DEV_TOKEN_TTL_S, "user": body.user, "tier": body.tier},
         headers={"Cache-Control": "no-store"},

@@ -18,7 +18,7 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from edge.deps import CurrentPrincipal
+from edge.deps import CurrentPrincipal, EdgeDep
 from edge.errors import ApiError, iso_utc
 from infra.runtime.command_client import DecisionTimeout, TooManyPending
 from schemas.codes import RejectionCode
@@ -29,8 +29,7 @@ router = APIRouter(prefix="/v1", tags=["usage"])
 
 
 @router.get("/usage", summary="The caller's quota window, burst bucket and concurrency, from the processor's state")
-async def usage(request: Request, principal: CurrentPrincipal) -> Response:
-    edge = request.app.state.edge
+async def usage(request: Request, principal: CurrentPrincipal, edge: EdgeDep) -> Response:
     issued_at_ms = int(time.time() * 1000)
     command = QueryUsage(
         command_id=uuid.uuid4().hex, user_id=principal.user_id, issued_at_ms=issued_at_ms, tier=principal.tier,

@@ -22,9 +22,8 @@ import re
 import sys
 from pathlib import Path
 
-from infra.stores.history import history_ddl
-from infra.stores.schema import generations_ddl, replay_ddl, results_ddl
 from infra.models.catalog import DEFAULT_CATALOG_PATH, load_catalog
+from schemas.tables import generations_ddl, history_ddl, replay_ddl, results_ddl
 from schemas.topics import KEYSPACE, TopicSpec, Topology
 
 K8S_DIR = Path(__file__).resolve().parent
@@ -94,6 +93,7 @@ def keyspace_cql() -> str:
     for cql in (generations_ddl(KEYSPACE), results_ddl(KEYSPACE), replay_ddl(KEYSPACE), *history_ddl(KEYSPACE)):
         if cql not in statements:
             statements.append(cql)
+    # The header names the stores that run these statements (the DDL itself is schemas/tables.py).
     header = HEADER.format(source="infra/stores/schema.py and infra/stores/history.py").replace("#", "--")
     return header + "".join(f"{s};\n\n" for s in statements).rstrip("\n") + "\n"
 

@@ -5,6 +5,12 @@ Used by the edge (and by tests and benchmarks in its place). The client owns one
 and the processor's ``Outcome`` comes back there. Anything else arriving on the partition (stream
 deltas, finalizations) is handed to ``on_message``. Waiting is bounded: a decision that does not
 arrive in time raises ``DecisionTimeout`` and the caller fails closed (``quota_service_unavailable``).
+
+The client is where a command's record key is chosen: the user id, for every command. The processor's
+single-writer guarantee per user rests on it (one user's commands in one partition, in order), so no
+caller computes the key itself. A worker uses the client too, on its own control partition
+(``inbox_topic``), through the producer it streams with (``producer``) and reading that partition
+itself (``read_inbox=False``: it hands each ``Outcome`` to ``resolve``).
 """
 
 from __future__ import annotations
@@ -50,24 +56,36 @@ class CommandClient:
         inbox_partition: int,
         on_message: Callable[[Any], None] | None = None,
         decision_timeout_s: float = DECISION_TIMEOUT_S,
+        inbox_topic: str | None = None,
+        producer: AIOKafkaProducer | None = None,
+        read_inbox: bool = True,
     ) -> None:
+        """``inbox_topic``: the topic of the reply partition (default: the edge inbox). ``producer``: a
+        started producer to append through, owned by the caller (neither started nor stopped here);
+        default: the client's own. ``read_inbox=False``: no consumer here; the caller reads the reply
+        partition and passes each ``Outcome`` to ``resolve`` (``on_message`` is then unused)."""
         self.bootstrap = bootstrap
         self.topology = topology
-        self.inbox = ReplyTo(topic=topology.edge_inbox.name, partition=inbox_partition, request_id="-")
+        self.inbox = ReplyTo(topic=inbox_topic or topology.edge_inbox.name, partition=inbox_partition, request_id="-")
         self.on_message = on_message
         self.decision_timeout_s = decision_timeout_s
         self._pending: dict[str, asyncio.Future[Outcome]] = {}
         self._pending_since: dict[str, float] = {}  # monotonic send time per pending command, oldest first
-        self._producer: AIOKafkaProducer | None = None
+        self._producer: AIOKafkaProducer | None = producer
+        self._owns_producer = producer is None
+        self.read_inbox = read_inbox
         self._consumer: AIOKafkaConsumer | None = None
         self._reader: asyncio.Task[None] | None = None
         self.undecodable = 0
 
     async def start(self) -> None:
-        self._producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, linger_ms=0, **producer_kwargs()
-        )
-        await self._producer.start()
+        if self._owns_producer:
+            self._producer = AIOKafkaProducer(
+                bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, linger_ms=0, **producer_kwargs()
+            )
+            await self._producer.start()
+        if not self.read_inbox:
+            return
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap,
             enable_auto_commit=False,
@@ -93,7 +111,7 @@ class CommandClient:
                 fut.cancel()
         if self._consumer is not None:
             await self._consumer.stop()
-        if self._producer is not None:
+        if self._producer is not None and self._owns_producer:
             await self._producer.stop()
 
     async def __aenter__(self) -> CommandClient:
@@ -103,12 +121,21 @@ class CommandClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    @classmethod
+    def send_only(cls, bootstrap: str, topology: Topology) -> CommandClient:
+        """A client that only appends commands (``send``), keyed as every command is: no reply partition
+        is read and no decision awaited (``decide`` is not for it). For a process whose commands are
+        consequences of its own work, whose outcomes it does not wait for (the history writer's
+        ``CommitAnswer``). Its own producer, started and stopped by ``start`` and ``stop``."""
+        return cls(bootstrap, topology, 0, read_inbox=False)
+
     def reply_to(self, request_id: str | None = None) -> ReplyTo:
         return replace(self.inbox, request_id=request_id or uuid.uuid4().hex)
 
     async def send(self, command: Command, headers: list[tuple[str, bytes]] | None = None) -> None:
         """Append a command without waiting for its decision (``headers``: its trace context, tracing.py)."""
         assert self._producer is not None
+        # Keyed by the user id, always: the one place the commands topic's key is chosen (module docstring).
         await self._producer.send_and_wait(
             self.topology.commands.name, encode(command), key=command.user_id.encode(), headers=headers
         )
@@ -154,6 +181,13 @@ class CommandClient:
                 for record in records:
                     self._dispatch(record.value)
 
+    def resolve(self, outcome: Outcome) -> None:
+        """A decision read from the reply partition: wakes the ``decide`` awaiting it (if any still does).
+        Called by the client's own reader, or by the caller that reads the partition (``read_inbox=False``)."""
+        fut = self._pending.get(outcome.command_id)
+        if fut is not None and not fut.done():
+            fut.set_result(outcome)
+
     def _dispatch(self, value: bytes | None) -> None:
         try:
             message = decode_message(value or b"")
@@ -162,9 +196,7 @@ class CommandClient:
             log.warning("undecodable inbox message: %s", exc.reason)
             return
         if isinstance(message, Outcome):
-            fut = self._pending.get(message.command_id)
-            if fut is not None and not fut.done():
-                fut.set_result(message)
+            self.resolve(message)
             return
         if self.on_message is not None:
             self.on_message(message)

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 from control_plane.policy import Policy, RiskLimits
+from infra.models.catalog import CATALOG_ENV, CatalogError, load_catalog
 from schemas.codes import Tier
 
 T = TypeVar("T")
@@ -156,6 +157,20 @@ def setting(var: str, default: Any = None, **checks: Any) -> Any:
 # without it every process requires its real secrets and refuses to start without them.
 DEV_MODE_ENV = "CHATPLANE_DEV_MODE"
 
+# Where every process finds Kafka unless told otherwise: the broker ``make up`` starts on this machine.
+KAFKA_BOOTSTRAP_ENV = "CHATPLANE_KAFKA_BOOTSTRAP"
+KAFKA_BOOTSTRAP_DEFAULT = "127.0.0.1:9092"
+
+
+def kafka_bootstrap_setting() -> Any:
+    """The ``kafka_bootstrap`` field of a settings class (``CHATPLANE_KAFKA_BOOTSTRAP``)."""
+    return setting(KAFKA_BOOTSTRAP_ENV, KAFKA_BOOTSTRAP_DEFAULT)
+
+
+def kafka_bootstrap() -> str:
+    """The bootstrap servers a command line defaults to (``CHATPLANE_KAFKA_BOOTSTRAP``)."""
+    return env_value(KAFKA_BOOTSTRAP_ENV, KAFKA_BOOTSTRAP_DEFAULT)
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -182,8 +197,6 @@ def policy_from_env() -> Policy:
     are the catalog file's (``CHATPLANE_MODEL_CATALOG``, default: the shipped ``models.toml``), the
     same file every worker reads; an invalid file is a ``SettingsError`` naming the variable.
     """
-    from infra.models.catalog import CATALOG_ENV, CatalogError, load_catalog
-
     try:
         models = load_catalog().policy_models()
     except CatalogError as exc:

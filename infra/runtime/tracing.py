@@ -44,6 +44,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from control_plane.ids import generation_id_for
 from infra.runtime.settings import SettingsError, env_value
 
 log = logging.getLogger("chatplane.tracing")
@@ -273,8 +274,6 @@ def begin_generation(received_s: float, command: Any) -> tuple[Any, Any] | None:
     retry's existing id is on the processor's span)."""
     if not ENABLED:
         return None
-    from control_plane.decide import generation_id_for
-
     attrs = {"generation_id": generation_id_for(command.user_id, command.command_id),
              "command_id": command.command_id, "command_type": command.type}
     received_ns = wall_ns(received_s)

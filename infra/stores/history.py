@@ -53,18 +53,10 @@ from typing import Any
 from cassandra import ConsistencyLevel
 from cassandra.query import UNSET_VALUE, BatchStatement, BatchType
 
-from infra.stores.schema import (
-    DDL_TIMEOUT_S,
-    ReadModelSettings,
-    close_cluster,
-    keyspace_ddl,
-    open_session,
-    prepare,
-    replay_ddl,
-    results_ddl,
-)
 from infra.stores.cassandra import execute
-# Table names are schema: they live in schemas.topics beside the read models' (re-exported here).
+from infra.stores.schema import DDL_TIMEOUT_S, ReadModelSettings, close_cluster, open_session, prepare
+# Table names and DDL are schema (schemas.topics, schemas.tables).
+from schemas.tables import history_ddl, keyspace_ddl
 from schemas.topics import (
     CONVERSATIONS_BY_USER_TABLE,
     CONVERSATIONS_TABLE,
@@ -83,10 +75,6 @@ MESSAGES_PARTITION_BYTES_WORST = MESSAGES_PER_BUCKET * MESSAGE_CONTENT_CHARS_MAX
 assert MESSAGES_PARTITION_BYTES_WORST < PARTITION_BYTES_GUIDANCE, "a messages bucket could outgrow a partition"
 
 TURN_INPUT_TTL_S = 7 * 24 * 3600  # the spooled text of a user turn; far longer than any turn takes to commit
-# The sidebar index moves a row on every turn (a row tombstone each time), and a resurrected index
-# row is harmless (the listing skips index rows that disagree with the metadata row), so its
-# tombstones need not outlive a repair cycle: purge them after an hour instead of the default 10 days.
-INDEX_GC_GRACE_S = 3600
 
 HISTORY_STATEMENT_TIMEOUT_S = 2.0  # default bound on one statement, and on one multi-statement read
 CONVERSATIONS_PAGE_MAX = 200  # list_conversations' limit
@@ -166,63 +154,6 @@ class ConversationRow:
     revision: int
     status: str | None  # None = written by the edge, not yet confirmed by the ledger; "active"; "deleted"
     parked_revision: int | None  # set while the ledger has parked the conversation; None otherwise
-
-
-# ------------------------------------------------------------------------------------------------
-# DDL
-
-
-def conversations_ddl(keyspace: str) -> str:
-    return (
-        f"CREATE TABLE IF NOT EXISTS {keyspace}.{CONVERSATIONS_TABLE} (\n"
-        "    conversation_id text PRIMARY KEY,\n    user_id text,\n    title text,\n"
-        "    created_at_ms bigint,\n    updated_at_ms bigint,\n    revision bigint,\n    status text,\n"
-        "    parked_revision bigint\n"
-        ")"
-    )
-
-
-def conversations_by_user_ddl(keyspace: str) -> str:
-    return (
-        f"CREATE TABLE IF NOT EXISTS {keyspace}.{CONVERSATIONS_BY_USER_TABLE} (\n"
-        "    user_id text,\n    updated_at_ms bigint,\n    conversation_id text,\n"
-        "    PRIMARY KEY ((user_id), updated_at_ms, conversation_id)\n"
-        ") WITH CLUSTERING ORDER BY (updated_at_ms DESC, conversation_id DESC)\n"
-        f"  AND gc_grace_seconds = {INDEX_GC_GRACE_S}"
-    )
-
-
-def messages_ddl(keyspace: str) -> str:
-    return (
-        f"CREATE TABLE IF NOT EXISTS {keyspace}.{MESSAGES_TABLE} (\n"
-        "    conversation_id text,\n    bucket bigint,\n    seq bigint,\n    role text,\n    content text,\n"
-        "    status text,\n    generation_id text,\n    created_at_ms bigint,\n    parent_seq bigint,\n"
-        "    superseded_by bigint,\n"
-        "    PRIMARY KEY ((conversation_id, bucket), seq)\n"
-        ") WITH CLUSTERING ORDER BY (seq ASC)"
-    )
-
-
-def turn_inputs_ddl(keyspace: str) -> str:
-    return (
-        f"CREATE TABLE IF NOT EXISTS {keyspace}.{TURN_INPUTS_TABLE} (\n"
-        "    generation_id text PRIMARY KEY,\n    conversation_id text,\n    content text,\n"
-        "    created_at_ms bigint\n"
-        ")"
-    )
-
-
-def history_ddl(keyspace: str) -> list[str]:
-    """The history tables, plus ``results_by_generation`` (same DDL as the read model's), which
-    ``delete_conversation`` deletes from."""
-    return [
-        conversations_ddl(keyspace),
-        conversations_by_user_ddl(keyspace),
-        messages_ddl(keyspace),
-        turn_inputs_ddl(keyspace),
-        results_ddl(keyspace),
-        replay_ddl(keyspace),
-    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -423,23 +354,32 @@ class HistoryStore:
 
     @classmethod
     async def open(
-        cls, settings: ReadModelSettings | None = None, *, timeout_s: float = HISTORY_STATEMENT_TIMEOUT_S
+        cls,
+        settings: ReadModelSettings | None = None,
+        *,
+        session: Any = None,
+        timeout_s: float = HISTORY_STATEMENT_TIMEOUT_S,
     ) -> HistoryStore:
-        """Connect (own cluster and session), create the schema if missing, prepare; ``close()`` releases it.
+        """Create the schema if missing and prepare, on ``session`` (a process's shared one, which
+        stays its owner's: ``infra.stores.session.CassandraSession``) or, without one, on a cluster and
+        session of its own that ``close()`` releases.
 
         Raises ``HistoryUnavailable`` when Cassandra cannot be reached (bounded by the connect timeout).
         """
         settings = settings or ReadModelSettings()
-        try:
-            cluster, session = await open_session(settings)
-        except Exception as exc:  # noqa: BLE001 - any failure to connect is unavailability
-            raise _unavailable("connect", exc) from exc
+        cluster = None
+        if session is None:
+            try:
+                cluster, session = await open_session(settings)
+            except Exception as exc:  # noqa: BLE001 - any failure to connect is unavailability
+                raise _unavailable("connect", exc) from exc
         try:
             store = cls(session, settings, timeout_s=timeout_s)
             await store.ensure_schema()
             await store._prepared()
         except BaseException:
-            await close_cluster(cluster)
+            if cluster is not None:
+                await close_cluster(cluster)
             raise
         store._cluster = cluster
         return store

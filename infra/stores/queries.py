@@ -38,16 +38,11 @@ from enum import StrEnum
 from typing import Any
 
 from infra.stores.cassandra import execute
-from infra.stores.schema import (
-    GENERATION_COLUMNS,
-    ReadModelSettings,
-    close_cluster,
-    open_session,
-    prepare,
-)
 from infra.stores.results import CassandraResultStore, StoredResult
+from infra.stores.schema import ReadModelSettings, close_cluster, open_session, prepare
 from schemas.codes import RejectionCode, RequestStatus
 from schemas.messages import Outcome, OutcomeKind
+from schemas.tables import GENERATION_COLUMNS
 from schemas.topics import GENERATIONS_TABLE
 
 # Retry-After the edge should send with a ReadModelUnavailable 503.
@@ -204,10 +199,14 @@ class GenerationReader:
         self._cluster: Any = None
 
     @classmethod
-    async def open(cls, settings: ReadModelSettings | None = None) -> GenerationReader:
-        """Connect and prepare (the schema must exist: the projection creates it)."""
+    async def open(cls, settings: ReadModelSettings | None = None, *, session: Any = None) -> GenerationReader:
+        """Prepare (the schema must exist: the projection creates it), on ``session`` (a process's
+        shared one, which stays its owner's) or, without one, on a connection of its own that
+        ``close()`` releases."""
         settings = settings or ReadModelSettings()
-        cluster, session = await open_session(settings)
+        cluster = None
+        if session is None:
+            cluster, session = await open_session(settings)
         reader = cls(session, settings)
         reader._cluster = cluster
         try:

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from infra.stores.schema import ReadModelSettings, close_cluster, ensure_schema, open_session, prepare
 from infra.stores.cassandra import execute
+from infra.stores.schema import ReadModelSettings, close_cluster, ensure_schema, open_session, prepare
 from schemas.topics import REPLAY_TABLE
 
 REPLAY_WRITE_TIMEOUT_S = 0.5  # one delta's write, client side: past it the worker sends without storing
@@ -49,13 +49,23 @@ class ReplayStore:
         self._select: Any = None
 
     @classmethod
-    async def open(cls, settings: ReadModelSettings | None = None, *, create_schema: bool = False) -> ReplayStore:
+    async def open(
+        cls, settings: ReadModelSettings | None = None, *, session: Any = None, create_schema: bool = False
+    ) -> ReplayStore:
+        """Prepare (and create the schema if asked), on ``session`` (a process's shared one, which stays
+        its owner's) or, without one, on a connection of its own that ``close()`` releases."""
         settings = settings or ReadModelSettings()
-        cluster, session = await open_session(settings)
-        if create_schema:
-            await ensure_schema(session, settings)
+        cluster = None
+        if session is None:
+            cluster, session = await open_session(settings)
         store = cls(session, settings, cluster)
-        await store.prepare()
+        try:
+            if create_schema:
+                await ensure_schema(session, settings)
+            await store.prepare()
+        except BaseException:
+            await store.close()
+            raise
         return store
 
     async def close(self) -> None:

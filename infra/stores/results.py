@@ -81,16 +81,22 @@ class CassandraResultStore:
         self._cluster: Any = None
 
     @classmethod
-    async def open(cls, settings: ReadModelSettings | None = None, *, ttl_s: int | None = None) -> CassandraResultStore:
-        """Connect, create the schema if missing, prepare; ``close()`` releases the connection."""
+    async def open(
+        cls, settings: ReadModelSettings | None = None, *, session: Any = None, ttl_s: int | None = None
+    ) -> CassandraResultStore:
+        """Create the schema if missing and prepare, on ``session`` (a process's shared one, which stays
+        its owner's) or, without one, on a connection of its own that ``close()`` releases."""
         settings = settings or ReadModelSettings()
-        cluster, session = await open_session(settings)
+        cluster = None
+        if session is None:
+            cluster, session = await open_session(settings)
         try:
             await ensure_schema(session, settings)
             store = cls(session, settings, ttl_s=ttl_s)
             await store.prepare()
         except BaseException:
-            await close_cluster(cluster)
+            if cluster is not None:
+                await close_cluster(cluster)
             raise
         store._cluster = cluster
         return store

@@ -8,8 +8,10 @@ Data flow (DESIGN section 5)::
 
 The CQL is created idempotently (``IF NOT EXISTS``) by ``ensure_schema``; the writers call it at
 start, so a fresh keyspace needs no separate migration step. Table names come from
-``schemas.topics`` (they are schema). Connecting (``open_session``) runs the driver's blocking
-``Cluster.connect`` on a thread, bounded by ``CONNECT_TIMEOUT_S``, so it never blocks the loop.
+``schemas.topics`` and every table's DDL from ``schemas.tables`` (they are schema). Connecting
+(``open_session``) runs the driver's blocking ``Cluster.connect`` on a thread, bounded by
+``CONNECT_TIMEOUT_S``, so it never blocks the loop; a process opens one session, through
+``infra.stores.session.CassandraSession``, and builds every store on it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from typing import Any
 
 from infra.stores.cassandra import execute, named_tuple_rows
 from infra.runtime.settings import SettingsError, comma_list, env_var, setting
-from schemas.topics import GENERATIONS_TABLE, KEYSPACE, REPLAY_TABLE, RESULTS_TABLE
+from schemas.tables import (
+    ADDED_GENERATION_COLUMNS,
+    generations_ddl,
+    history_ddl,
+    keyspace_ddl,
+    replay_ddl,
+    results_ddl,
+)
+from schemas.topics import GENERATIONS_TABLE, KEYSPACE
 
 CQL_PROTOCOL_VERSION = 5  # Cassandra 4.0+; skips the driver's downgrade round trips
 CONNECT_TIMEOUT_S = 30.0  # one attempt to reach a contact point and open a session
@@ -34,72 +44,10 @@ RESULT_TTL_S_DEFAULT = 3600  # 1 h, as the processor's Policy.result_ttl_ms
 GENERATION_METADATA_TTL_S_DEFAULT = 30 * 24 * 3600  # 30 days: longer than the 24 h dedup retention
 READ_DEADLINE_S_DEFAULT = 1.0  # one GET's whole budget against Cassandra
 
+# A failed open of a process's Cassandra session (infra/stores/session.py) is retried no more often than this.
+REOPEN_INTERVAL_S_DEFAULT = 5.0
+
 _IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,47}$")
-
-# Every column the projection writes. ``revision`` is the ledger offset the row reflects; cells are
-# written USING TIMESTAMP <revision> so last-write-wins resolves by ledger position (readmodel.py).
-GENERATION_COLUMNS: dict[str, str] = {
-    "user_id": "text",
-    "status": "text",
-    "model_alias": "text",
-    "model_version": "text",
-    "pool": "text",
-    "tier": "text",
-    "stream": "boolean",
-    "epoch": "int",
-    "max_output_tokens": "int",
-    "input_tokens": "int",
-    "output_tokens": "int",
-    "usage_epoch": "int",
-    "terminal_reason": "text",
-    "finish_reason": "text",
-    "code": "text",
-    "partial": "boolean",
-    "cancel_requested": "boolean",
-    "cancel_reason": "text",
-    "window_start_ms": "bigint",
-    "window_end_ms": "bigint",
-    "created_at_ms": "bigint",
-    "accepted_at_ms": "bigint",
-    "finished_at_ms": "bigint",
-    "updated_at_ms": "bigint",
-    "result_expires_at_ms": "bigint",
-    "terminal_sequence": "int",  # the terminal event's SSE id (resumable streams; 0/absent: after the last delta)
-    "result_stored": "boolean",  # GenerationCompleted.result_stored (False: the worker still held the text)
-    # A conversation turn's (ConversationTurnCommitted): its conversation and the revision its user
-    # message committed at, so that every edge names the revision the next turn sends (null: stateless,
-    # or a row projected before these columns).
-    "conversation_id": "text",
-    "turn_revision": "int",
-    "ledger_partition": "int",
-    "revision": "bigint",
-}
-
-
-def generations_ddl(keyspace: str) -> str:
-    cols = ",\n    ".join(f"{name} {kind}" for name, kind in GENERATION_COLUMNS.items())
-    return (
-        f"CREATE TABLE IF NOT EXISTS {keyspace}.{GENERATIONS_TABLE} (\n"
-        f"    generation_id text PRIMARY KEY,\n    {cols}\n)"
-    )
-
-
-def results_ddl(keyspace: str) -> str:
-    # Keyed by (generation, epoch): a fenced attempt that wrote its text before it learnt it was
-    # fenced cannot shadow the text of the epoch that completed; readers ask for that epoch.
-    return (
-        f"CREATE TABLE IF NOT EXISTS {keyspace}.{RESULTS_TABLE} (\n"
-        "    generation_id text,\n    epoch int,\n    text text,\n    input_tokens int,\n"
-        "    output_tokens int,\n    stored_at_ms bigint,\n    expires_at_ms bigint,\n"
-        "    PRIMARY KEY ((generation_id), epoch)\n"
-        ") WITH CLUSTERING ORDER BY (epoch DESC)\n"
-        "  AND gc_grace_seconds = 3600"
-    )
-
-
-ADDED_GENERATION_COLUMNS = {
-    "terminal_sequence": "int", "result_stored": "boolean", "conversation_id": "text", "turn_revision": "int",
-}
 
 
 async def _add_column(session: Any, keyspace: str, table: str, column: str, kind: str) -> None:
@@ -111,25 +59,6 @@ async def _add_column(session: Any, keyspace: str, table: str, column: str, kind
     except InvalidRequest as exc:
         if "conflicts with an existing column" not in str(exc) and "already exists" not in str(exc):
             raise
-
-
-def replay_ddl(keyspace: str) -> str:
-    # One row per text delta, keyed by the worker's sequence (the SSE event id): a replay reads a
-    # range after the client's Last-Event-ID. Rows carry the result TTL (written USING TTL).
-    return (
-        f"CREATE TABLE IF NOT EXISTS {keyspace}.{REPLAY_TABLE} (\n"
-        "    generation_id text,\n    seq int,\n    epoch int,\n    text text,\n"
-        "    PRIMARY KEY ((generation_id), seq)\n"
-        ") WITH CLUSTERING ORDER BY (seq ASC)\n"
-        "  AND gc_grace_seconds = 3600"
-    )
-
-
-def keyspace_ddl(keyspace: str, replication_factor: int) -> str:
-    return (
-        f"CREATE KEYSPACE IF NOT EXISTS {keyspace} WITH replication = "
-        f"{{'class': 'SimpleStrategy', 'replication_factor': {int(replication_factor)}}}"
-    )
 
 
 @dataclass(frozen=True)
@@ -157,6 +86,10 @@ class ReadModelSettings:
     # so that more of one generation's events fold into one UPDATE (issue 14: Cassandra's CPU per
     # generation). It adds as much to the read model's lag; 0 writes what each poll found.
     batch_linger_ms: int = setting("CHATPLANE_READMODEL_BATCH_LINGER_MS", 100, ge=0, le=5_000)
+    # A process's one Cassandra session (infra/stores/session.py) opens on first use; after a failed
+    # open (or a store's failed schema and statements) the next try waits at least this long, so
+    # during an outage every call fails fast instead of each paying a connect.
+    reopen_interval_s: float = setting("CHATPLANE_CASSANDRA_REOPEN_INTERVAL_S", REOPEN_INTERVAL_S_DEFAULT, ge=0)
 
     def __post_init__(self) -> None:
         # Also checked for values passed from code: the keyspace is interpolated into CQL.
@@ -220,7 +153,5 @@ async def ensure_schema(session: Any, settings: ReadModelSettings, *, create_key
     await execute(session, results_ddl(settings.keyspace), timeout_s=DDL_TIMEOUT_S)
     await execute(session, replay_ddl(settings.keyspace), timeout_s=DDL_TIMEOUT_S)
     # The conversation history's tables live in the same keyspace (infra/stores/history.py).
-    from infra.stores.history import history_ddl
-
     for cql in history_ddl(settings.keyspace):
         await execute(session, cql, timeout_s=DDL_TIMEOUT_S)

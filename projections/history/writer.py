@@ -35,39 +35,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from infra.stores.history import HistoryStore, HistoryUnavailable, StoredMessage
-from projections.readmodel.metrics import history_metrics
 from infra.stores.schema import ReadModelSettings
-from infra.runtime.kafka_settings import kafka_client_kwargs, producer_kwargs
+from infra.runtime.command_client import CommandClient
 from infra.runtime.log_limits import install_log_limits
-from infra.runtime.metrics_http import MetricsPortUnavailable, metrics_port, start_metrics_server
-from infra.runtime.settings import SettingsError, env_value, exit_on_settings_error
+from infra.runtime.metrics_http import metrics_port
+from infra.runtime.settings import SettingsError, env_value, exit_on_settings_error, kafka_bootstrap
 from schemas import events as ev
 from schemas.commands import CommitAnswer
 from schemas.messages import AnswerSpooled
 from schemas.topics import Topology
-from schemas.wire import WireError, decode_ledger_entry, decode_message, encode
+from schemas.wire import WireError, decode_ledger_entry, decode_message
+from projections.follower import POLL_TIMEOUT_MS, commit_offsets, follower_consumer, follower_group, run_follower
+from projections.history.metrics import history_metrics
 
 log = logging.getLogger("chatplane.history")
 
 HISTORY_GROUP = "chatplane-history"
-POLL_TIMEOUT_MS = 500
 BATCH_RECORDS_MAX = 500  # records per poll, both topics together
 WRITE_RETRY_BACKOFF_S_MIN = 0.2
 WRITE_RETRY_BACKOFF_S_MAX = 2.0
-WRITE_RETRY_WINDOW_S = 240.0  # then exit (below MAX_POLL_INTERVAL_MS): the restart resumes from the commit
-MAX_POLL_INTERVAL_MS = 300_000
-SESSION_TIMEOUT_MS = 10_000
+WRITE_RETRY_WINDOW_S = 240.0  # then exit (below follower.MAX_POLL_INTERVAL_MS): the restart resumes from the commit
 HISTORY_METRICS_PORT_ENV = "CHATPLANE_HISTORY_METRICS_PORT"  # Prometheus /metrics; 0: not served
 # Ledger entries are decoded only if their bytes name a conversation event (most are not).
 _CONVERSATION_MARK = b'"Conversation'
@@ -88,7 +85,7 @@ class HistoryStats:
     undecodable: int = 0
     write_retries: int = 0
     batches: int = 0
-    # partition -> the next offset to handle (its batch written); the metrics' lag (readmodel/metrics.py).
+    # partition -> the next offset to handle (its batch written); the metrics' lag (follower.py).
     positions: dict[TopicPartition, int] = field(default_factory=dict, repr=False)
 
 
@@ -97,37 +94,27 @@ class HistoryWriter:
         self.bootstrap = bootstrap
         self.topology = topology
         self.store = store
-        self.group_id = group_id or (f"{topology.namespace}.{HISTORY_GROUP}" if topology.namespace else HISTORY_GROUP)
+        self.group_id = group_id or follower_group(topology.namespace, HISTORY_GROUP)
         self.stats = HistoryStats()
         self.consumer: AIOKafkaConsumer | None = None
-        self.producer: AIOKafkaProducer | None = None
+        # CommitAnswer goes through the shared command client, which keys it (by its user).
+        self.commands = CommandClient.send_only(bootstrap, topology)
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
         self._stopping.set()
 
     async def start(self) -> None:
-        self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=0, **producer_kwargs())
-        await self.producer.start()
-        self.consumer = AIOKafkaConsumer(
-            self.topology.answers.name,
-            self.topology.ledger.name,
-            bootstrap_servers=self.bootstrap,
-            group_id=self.group_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            max_poll_interval_ms=MAX_POLL_INTERVAL_MS,
-            session_timeout_ms=SESSION_TIMEOUT_MS,
-            heartbeat_interval_ms=SESSION_TIMEOUT_MS // 3,
-            max_poll_records=BATCH_RECORDS_MAX,
-            **kafka_client_kwargs(),
+        await self.commands.start()
+        self.consumer = follower_consumer(
+            self.bootstrap, (self.topology.answers.name, self.topology.ledger.name), self.group_id, BATCH_RECORDS_MAX
         )
         await self.consumer.start()
 
     async def close(self) -> None:
-        for part in (self.consumer, self.producer):
-            if part is not None:
-                await part.stop()
+        if self.consumer is not None:
+            await self.consumer.stop()
+        await self.commands.stop()
 
     async def run(self) -> None:
         assert self.consumer is not None
@@ -145,11 +132,7 @@ class HistoryWriter:
                 await self._with_retries(self._handle, tp.topic, rec.value)
                 offsets[tp] = rec.offset + 1
         self.stats.batches += 1
-        try:
-            await self.consumer.commit(offsets)
-        except CommitFailedError as exc:
-            log.warning("offset commit failed after a rebalance: %s", exc)  # the new owner redoes (idempotent)
-        self.stats.positions.update(offsets)
+        await commit_offsets(self.consumer, offsets, self.stats.positions, log)  # after a rebalance the new owner redoes
 
     async def _with_retries(self, fn: Any, *args: Any) -> None:
         started = time.monotonic()
@@ -253,8 +236,7 @@ class HistoryWriter:
         self.stats.turns_stored += 1
 
     async def _send(self, command: Any) -> None:
-        assert self.producer is not None
-        await self.producer.send_and_wait(self.topology.commands.name, encode(command), key=command.user_id.encode())
+        await self.commands.send(command)
 
     # --- the ledger ------------------------------------------------------------------------------
 
@@ -327,40 +309,22 @@ async def _main(args: argparse.Namespace, settings: ReadModelSettings) -> int:
     store = await HistoryStore.open(settings)
     await store.ensure_schema()
     writer = HistoryWriter(args.bootstrap, topology, store, group_id=args.group or None)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, writer.stop)
-    metrics = history_metrics(topology)  # served on CHATPLANE_HISTORY_METRICS_PORT (docs/metrics.md)
-    metrics.bind(writer)
-    try:
-        metrics_server = await start_metrics_server(metrics.registry, args.metrics_port, name="history")
-    except MetricsPortUnavailable as exc:
-        log.error("%s", exc)
-        await store.close()
-        return 2
-    await writer.start()
-    log.info("history writer: %s + %s -> %s (group %s)", topology.answers.name, topology.ledger.name, settings.keyspace, writer.group_id)
-    print("history: started", flush=True)
-    try:
-        await writer.run()
-    except WriterStalled as exc:
-        log.error("%s; exiting to resume from the last committed offset", exc)
-        return 3
-    except KafkaError as exc:
-        log.error("Kafka error: %r", exc)
-        return 4
-    finally:
-        await writer.close()
-        await store.close()
-        if metrics_server is not None:
-            await metrics_server.close()
-    log.info("history writer stopped: %s", writer.stats)
-    return 0
+    return await run_follower(
+        writer,
+        name="history",
+        label="history writer",
+        metrics=history_metrics(topology),  # served on CHATPLANE_HISTORY_METRICS_PORT (docs/metrics.md)
+        metrics_port=args.metrics_port,
+        stalled=WriterStalled,
+        started=f"history writer: {topology.answers.name} + {topology.ledger.name} -> {settings.keyspace} (group {writer.group_id})",
+        log=log,
+        close_also=store.close,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m projections.history", description=__doc__.split("\n")[0])
-    parser.add_argument("--bootstrap", default=env_value("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    parser.add_argument("--bootstrap", default=kafka_bootstrap())
     parser.add_argument("--namespace", default=env_value("CHATPLANE_NAMESPACE", ""))
     parser.add_argument("--group", default=env_value("CHATPLANE_HISTORY_GROUP", ""), help="consumer group")
     args = parser.parse_args(argv)

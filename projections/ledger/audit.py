@@ -27,8 +27,9 @@ from control_plane.invariants import InvariantMonitor, Violation, check_state
 from control_plane.policy import Policy
 from control_plane.state import UserLedger
 from schemas import events as ev
-from infra.runtime.settings import env_value
+from infra.runtime.settings import env_value, kafka_bootstrap
 from infra.runtime.topic_reader import read_topic
+from projections.ledger.table_store import join_table
 from schemas.topics import Topology
 from schemas.wire import WireError, decode_ledger_entry
 
@@ -152,8 +153,6 @@ class Auditor:
 
 async def read_table(bootstrap: str, topology: Topology) -> dict[str, UserLedger]:
     """The processor's table: the latest changelog value per user."""
-    from projections.ledger.table_store import join_table
-
     latest: dict[bytes, bytes | None] = {}
     for _, _, key, value in sorted(await read_topic(bootstrap, topology.changelog), key=lambda r: (r[0], r[1])):
         if key is not None:
@@ -181,7 +180,7 @@ async def audit(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m projections.ledger.audit", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bootstrap", default=env_value("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    parser.add_argument("--bootstrap", default=kafka_bootstrap())
     parser.add_argument("--namespace", default=env_value("CHATPLANE_NAMESPACE", ""))
     parser.add_argument("--from-offset", type=int, help="start every partition at this offset")
     parser.add_argument("--from-time", help="start at this ISO-8601 time (UTC)")

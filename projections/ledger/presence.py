@@ -1,9 +1,9 @@
 """Edge liveness as the processor sees it: which readers (edge processes) are gone.
 
 Every edge sends ``EdgePresence`` on the ``edge-presence`` topic every ``interval_ms`` (edge/presence.py).
-Each processor reads that topic from its end (``PresenceReader``) into a ``PresenceView``. An edge
+Each processor reads that topic from its end (``PresenceReader``, run by ``PresenceWatch``) into a ``PresenceView``. An edge
 is *lost* when nothing was heard from it for its lease: ``max(lease_ms, 3 * its interval)``. The
-processor's timer then detaches every generation of its partitions that the lost edge was reading
+processor's timer (timer.py) then detaches every generation of its partitions that the lost edge was reading
 (``DetachReader``, reason ``edge_lost``); a generation nobody reattaches to within the grace is
 cancelled by the core at its deadline, and its worker stops (issue 13: orphan work after an edge dies).
 
@@ -149,3 +149,29 @@ class PresenceReader:
             except Exception as exc:  # noqa: BLE001 - the watch must outlive a broker outage
                 log.warning("edge presence reader failed (%s); restarting in %.1f s", type(exc).__name__, restart_pause_s)
                 await asyncio.sleep(restart_pause_s)
+
+
+# Before the edge presence reader starts again after an error.
+PRESENCE_RESTART_PAUSE_S = 1.0
+
+
+class PresenceWatch:
+    """The processor's watch on edge liveness: a ``PresenceView`` and the task that keeps it current.
+
+    The processor runs ``run`` as an app task for its whole life and hands ``view`` to its timer
+    (timer.py), which asks it which readers are lost; nothing else of the processor is needed here.
+    """
+
+    def __init__(
+        self, bootstrap: str, topology: Topology, lease_ms: int, edges_max: int,
+        restart_pause_s: float = PRESENCE_RESTART_PAUSE_S,
+    ) -> None:
+        self.view = PresenceView(lease_ms, edges_max)
+        self.bootstrap = bootstrap
+        self.topology = topology
+        self.restart_pause_s = restart_pause_s
+
+    async def run(self) -> None:
+        """The edge presence reader, for the life of the caller (restarted after an error)."""
+        reader = PresenceReader(self.bootstrap, self.topology, self.view)
+        await reader.run_forever(self.restart_pause_s)

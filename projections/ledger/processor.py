@@ -4,7 +4,7 @@
         table ``user_to_ledger``[user_id] = aggregate      (one changelog write per command)
         control_plane.aggregate.handle -> Decision          (pure; redeliveries answered from memory)
         control_plane.routing.route    -> LEDGER, reply_to, DISPATCH, WORKER_CONTROL, USAGE
-    timer ``reconcile`` --> ReconcileDue commands for users whose deadlines passed (via COMMANDS)
+    timer ``reconcile`` (timer.py) --> ReconcileDue commands for users whose deadlines passed (via COMMANDS)
                       --> DetachReader for generations read by an edge that stopped renewing its
                           liveness lease (EDGE_PRESENCE, presence.py), AttachReader if it comes back
     undecodable commands --> DEAD_LETTER with reason and offset; the partition keeps moving
@@ -43,11 +43,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable
 
 import faust
-from aiokafka.partitioner import murmur2
 from faust.types import TP
 
 from control_plane.aggregate import Aggregate, handle
-from control_plane.decide import attached_reader, attached_readers, next_deadline_ms
 from control_plane.routing import route
 from projections.ledger import faust_adapter
 from projections.ledger.metrics import ProcessorMetrics
@@ -60,7 +58,7 @@ from infra.runtime.log_limits import install_log_limits
 from infra.runtime.metrics_http import MetricsPortUnavailable, start_metrics_server
 from infra.runtime.settings import SettingsError, exit_on_settings_error, log_level
 from projections.ledger.settings import ProcessorSettings
-from projections.ledger.presence import PresenceReader, PresenceView, monotonic_ms
+from projections.ledger.presence import PresenceWatch
 from projections.ledger.read_stamps import recall_read_stamps
 from projections.ledger.table_store import (
     EMPTY_LAYOUT,
@@ -69,23 +67,15 @@ from projections.ledger.table_store import (
     is_settled_key,
     join,
     plan,
-    unpack_deadline,
-    unpack_readers,
 )
-from schemas.codes import CancelReason
-from schemas.commands import AttachReader, DetachReader, ReconcileDue, SubmitGeneration
+from projections.ledger.timer import ReconcileTimer, TimerLimits, user_partition
+from schemas.commands import SubmitGeneration
 from schemas.topics import TIERS, USER_TO_LEDGER_TABLE
 from schemas.wire import WireError, decode_command, encode
 
 log = logging.getLogger("chatplane.processor")
 
 DEAD_LETTER_VALUE_BYTES_MAX = 4_096  # how much of an undecodable message the dead letter keeps
-PRESENCE_RESTART_PAUSE_S = 1.0  # before the edge presence reader starts again after an error
-
-
-def user_partition(user_id: bytes, partitions: int) -> int:
-    """The partition the default (murmur2) partitioner gives a user's key, as every producer uses."""
-    return (murmur2(user_id) & 0x7FFFFFFF) % partitions
 
 
 @dataclass(slots=True)
@@ -171,18 +161,6 @@ class AdmissionProcessor:
         # user key -> (the exact hot table value, the aggregate joined from it, its layout). An
         # identity check against the table value detects a recovery or another instance's write.
         self._decoded: dict[bytes, tuple[bytes, Aggregate, Layout]] = {}
-        # user key -> the time its next ReconcileDue is due (only users of partitions assigned here).
-        self._deadlines: dict[bytes, int] = {}
-        # user key -> the readers (edges) of its active generations whose liveness is watched here
-        # (attached_readers; only users of partitions assigned here that have any).
-        self._readers: dict[bytes, frozenset[str]] = {}
-        # (user key, generation id) -> (the lost edge it was detached from, when its detach lapses):
-        # reattached by the timer if that edge is heard again in time (it was slow, not dead).
-        self._detached: dict[tuple[bytes, str], tuple[str, int]] = {}
-        # user key -> when the timer may send it reader commands again (one round at a time).
-        self._readers_resend: dict[bytes, int] = {}
-        self.presence = PresenceView(settings.edge_lease_ms, settings.edges_tracked_max)
-        self._scan_needed = True
         # Decided commands, oldest first, whose outputs Kafka has not acknowledged yet; and per user
         # the newest aggregate decided here that is not yet written to the table (ahead of it).
         self._pending: deque[_Pending] = deque()
@@ -199,9 +177,27 @@ class AdmissionProcessor:
         self._faults_skip = set(settings.fault_skip_deliveries)
         self._pending_added = asyncio.Event()
         self._pending_room = asyncio.Event()
+        # Edge liveness (presence.py), and the timer (timer.py): the deadline index and the reader watch
+        # of the partitions here; it reads the table and the aggregates decided ahead of it, sends commands.
+        self.presence_watch = PresenceWatch(
+            settings.kafka_bootstrap, self.topology, settings.edge_lease_ms, settings.edges_tracked_max
+        )
+        self.presence = self.presence_watch.view
+        self.timer = ReconcileTimer(
+            TimerLimits.of(settings),
+            self.policy,
+            self.partitions,
+            self.presence,
+            self.stats,
+            assigned=self.assigned_command_partitions,
+            table_entries=self.table.items,
+            unwritten=self._unwritten_aggregates,
+            aggregate_of=self._aggregate_only,
+            send=self._send_command,
+        )
         self.app.agent(self.commands, name="admission", concurrency=1)(self._admission)
-        self.app.timer(interval=settings.reconcile_tick_s, name="reconcile")(self._reconcile_tick)
-        self.app.task(self._watch_presence)
+        self.app.timer(interval=settings.reconcile_tick_s, name="reconcile")(self.timer.tick)
+        self.app.task(self.presence_watch.run)
         if settings.metrics_port:
             self.app.task(self._serve_metrics)
         self.app.on_partitions_assigned.connect(self._on_assigned)
@@ -245,7 +241,7 @@ class AdmissionProcessor:
         return lag
 
     async def _on_assigned(self, sender: Any, assigned: set[Any], **_: Any) -> None:
-        self._scan_needed = True
+        self.timer.rescan_needed()
         mine = sorted(tp.partition for tp in assigned if tp.topic == self.topology.commands.name)
         # faust's recovery may start the stream while this runs: the agent waits for the offsets.
         self._expected_known.clear()
@@ -310,8 +306,7 @@ class AdmissionProcessor:
     async def _on_revoked(self, sender: Any, revoked: set[Any], **_: Any) -> None:
         lost = {tp.partition for tp in revoked if tp.topic == self.topology.commands.name}
         if lost:
-            self._deadlines = {k: t for k, t in self._deadlines.items() if user_partition(k, self.partitions) not in lost}
-            self._readers = {k: r for k, r in self._readers.items() if user_partition(k, self.partitions) not in lost}
+            self.timer.forget(lost)
             self._decoded = {k: v for k, v in self._decoded.items() if user_partition(k, self.partitions) not in lost}
             self._unwritten = {k: v for k, v in self._unwritten.items() if user_partition(k, self.partitions) not in lost}
             for p in lost:
@@ -536,11 +531,7 @@ class AdmissionProcessor:
         elif not unchanged:
             pending.key, pending.writes, pending.aggregate = user_key, writes, after
             self._unwritten[user_key] = (after, writes.layout)
-            if deadline is None:
-                self._deadlines.pop(user_key, None)
-            else:
-                self._deadlines[user_key] = deadline
-            self._watch_readers(user_key, writes.readers)
+            self.timer.decided(user_key, deadline, writes.readers)
         span = self._decision_span(headers, started_ns, command, decision, partition, offset) if started_ns else None
         out_headers = tracing.headers(span) if span is not None else None
         for out in route(self.topology, before.ledger, after.ledger, command, decision, partition):
@@ -590,123 +581,18 @@ class AdmissionProcessor:
         }
         return await faust_adapter.send_record(self.app, self.topology.dead_letter.name, key, encode(record), None)
 
-    # --- the deadline timer -----------------------------------------------------------------
+    # --- what the timer reads and sends (timer.py) -------------------------------------------
 
-    def _rescan(self) -> None:
-        assigned = faust_adapter.assigned_partitions(self.app, self.topology.commands.name)
-        if not assigned:
-            return
-        deadlines: dict[bytes, int] = {}
-        self._readers = {}
-        for key, value in self.table.items():
-            if value is not None and not is_settled_key(key) and user_partition(key, self.partitions) in assigned:
-                deadline = unpack_deadline(value)
-                if deadline is not None:
-                    deadlines[key] = deadline
-                self._watch_readers(key, unpack_readers(value)[0])
-        for key, (aggregate, _) in self._unwritten.items():  # decided here, ahead of the table
-            if user_partition(key, self.partitions) in assigned:
-                deadline = next_deadline_ms(aggregate.ledger, self.policy)
-                if deadline is None:
-                    deadlines.pop(key, None)
-                else:
-                    deadlines[key] = deadline
-                self._watch_readers(key, attached_readers(aggregate.ledger))
-        self._deadlines = deadlines
-        self._scan_needed = False
+    def _unwritten_aggregates(self) -> list[tuple[bytes, Aggregate]]:
+        """(user key, aggregate) decided here and not yet written to the table."""
+        return [(key, aggregate) for key, (aggregate, _) in self._unwritten.items()]
 
-    def _watch_readers(self, user_key: bytes, readers: frozenset[str]) -> None:
-        if not readers:
-            self._readers.pop(user_key, None)
-        elif user_key in self._readers or len(self._readers) < self.settings.readers_tracked_max:
-            self._readers[user_key] = readers
-        else:
-            self.stats.readers_unwatched += 1
+    def _aggregate_only(self, key: bytes, user_id: str) -> Aggregate:
+        return self._aggregate(key, user_id)[0]
 
-    async def _watch_presence(self) -> None:
-        """faust app task: the edge presence reader, for the life of the app."""
-        reader = PresenceReader(self.settings.kafka_bootstrap, self.topology, self.presence)
-        await reader.run_forever(PRESENCE_RESTART_PAUSE_S)
-
-    async def _readers_tick(self, now_ms: int) -> None:
-        """Detach the generations of users here whose reader's edge is lost; reattach those whose
-        edge was heard again before their detach lapsed. At most ``reconcile_commands_per_tick_max``
-        commands a tick; a user gets one round of them per ``reconcile_resend_ms``."""
-        mono = monotonic_ms()
-        budget = self.settings.reconcile_commands_per_tick_max
-        for (user_key, generation_id), (edge_id, until_ms) in list(self._detached.items()):
-            if until_ms <= now_ms:
-                del self._detached[(user_key, generation_id)]
-            elif not self.presence.lost(edge_id, mono) and budget > 0:
-                del self._detached[(user_key, generation_id)]
-                await self._send_reader_command(
-                    user_key,
-                    AttachReader(
-                        command_id=f"attach:{generation_id}:{edge_id}:{now_ms}",
-                        user_id=user_key.decode(),
-                        issued_at_ms=now_ms,
-                        generation_id=generation_id,
-                        reader_id=edge_id,
-                    ),
-                )
-                self.stats.readers_reattached += 1
-                budget -= 1
-        for user_key, readers in list(self._readers.items()):
-            if budget <= 0:
-                break
-            lost = {r for r in readers if self.presence.lost(r, mono)}
-            if not lost or self._readers_resend.get(user_key, 0) > now_ms:
-                continue
-            self._readers_resend[user_key] = now_ms + self.settings.reconcile_resend_ms
-            user_id = user_key.decode()
-            aggregate, _ = self._aggregate(user_key, user_id)
-            for record in aggregate.ledger.requests.values():
-                if attached_reader(record) not in lost:
-                    continue
-                if len(self._detached) < self.settings.readers_tracked_max:
-                    self._detached[(user_key, record.generation_id)] = (
-                        record.reader_id,
-                        now_ms + self.settings.edge_lost_grace_ms,
-                    )
-                await self._send_reader_command(
-                    user_key,
-                    DetachReader(
-                        command_id=f"detach:{record.generation_id}:{record.reader_id}",
-                        user_id=user_id,
-                        issued_at_ms=now_ms,
-                        generation_id=record.generation_id,
-                        reader_id=record.reader_id,
-                        grace_ms=self.settings.edge_lost_grace_ms,
-                        reason=CancelReason.EDGE_LOST,
-                    ),
-                )
-                self.stats.readers_detached += 1
-                budget -= 1
-        if len(self._readers_resend) > len(self._readers) * 2 + 1_000:
-            self._readers_resend = {k: t for k, t in self._readers_resend.items() if t > now_ms}
-
-    async def _send_reader_command(self, user_key: bytes, command: DetachReader | AttachReader) -> None:
-        await faust_adapter.send_record(self.app, self.topology.commands.name, user_key, encode(command), None)
-
-    async def _reconcile_tick(self) -> None:
-        """Append ReconcileDue for every user here whose next deadline passed; decide does the rest."""
-        if self._scan_needed:
-            self._rescan()
-        now_ms = int(time.time() * 1000)
-        due = [key for key, deadline in self._deadlines.items() if deadline <= now_ms]
-        due.sort(key=self._deadlines.__getitem__)
-        for key in due[: self.settings.reconcile_commands_per_tick_max]:
-            user_id = key.decode()
-            command = ReconcileDue(
-                command_id=f"reconcile:{user_id}:{now_ms}:{self.settings.instance_id}",
-                user_id=user_id,
-                issued_at_ms=now_ms,
-                as_of_ms=now_ms,
-            )
-            await faust_adapter.send_record(self.app, self.topology.commands.name, key, encode(command), None)
-            self._deadlines[key] = now_ms + self.settings.reconcile_resend_ms
-            self.stats.reconciles_appended += 1
-        await self._readers_tick(now_ms)
+    def _send_command(self, key: bytes, value: bytes) -> Awaitable[Any]:
+        """Append an encoded command to COMMANDS under ``key`` (the returned awaitable is the send)."""
+        return faust_adapter.send_record(self.app, self.topology.commands.name, key, value, None)
 
     async def check_topology(self) -> None:
         """Co-partitioning, and a dispatch topic for every pool and tier of the catalog: a pool added to

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from control_plane.policy import Policy
 from infra.runtime.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
 from infra.runtime.metrics_http import METRICS_HOST_DEFAULT, METRICS_HOST_ENV
-from infra.runtime.settings import policy_from_env, setting
+from infra.runtime.settings import kafka_bootstrap_setting, policy_from_env, setting
 from schemas.topics import Topology
 
 
@@ -21,7 +21,7 @@ def _pairs(raw: str) -> frozenset[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class ProcessorSettings:
-    kafka_bootstrap: str = setting("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    kafka_bootstrap: str = kafka_bootstrap_setting()
     topology: Topology = setting("CHATPLANE_NAMESPACE", Topology(""), parse=Topology, expected="a namespace")
     # Stable across restarts of the same instance (it is the consumer group's static member id).
     instance_id: str = setting("CHATPLANE_PROCESSOR_ID", kind=str, default_factory=socket.gethostname)

@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import base64
 import logging
-import signal
 import sys
 import time
 from collections import OrderedDict
@@ -45,18 +44,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import CommitFailedError, KafkaError
 
 from infra.stores.cassandra import execute
-from infra.runtime.kafka_settings import kafka_client_kwargs, producer_kwargs
+from infra.runtime.kafka_settings import producer_kwargs
 from infra.runtime import memtrace, tracing
 from infra.runtime.malloc_tuning import tune_malloc
 from infra.runtime.log_limits import install_log_limits
-from infra.runtime.metrics_http import MetricsPortUnavailable, metrics_port, start_metrics_server
-from infra.runtime.settings import SettingsError, env_value, exit_on_settings_error
+from infra.runtime.metrics_http import metrics_port
+from infra.runtime.settings import SettingsError, env_value, exit_on_settings_error, kafka_bootstrap
+from projections.follower import POLL_TIMEOUT_MS, commit_offsets, follower_consumer, follower_group, run_follower
 from projections.readmodel.metrics import readmodel_metrics
 from infra.stores.schema import (
-    GENERATION_COLUMNS,
     ReadModelSettings,
     close_cluster,
     ensure_schema,
@@ -64,6 +62,7 @@ from infra.stores.schema import (
     prepare,
 )
 from schemas import events as ev
+from schemas.tables import GENERATION_COLUMNS
 from schemas.codes import RequestStatus
 from schemas.topics import GENERATIONS_TABLE, Topology
 from schemas.wire import WireError, decode_ledger_entry, encode
@@ -71,15 +70,12 @@ from schemas.wire import WireError, decode_ledger_entry, encode
 log = logging.getLogger("chatplane.readmodel")
 
 READMODEL_GROUP = "chatplane-readmodel"
-POLL_TIMEOUT_MS = 500
 BATCH_RECORDS_MAX = 2_000  # ledger entries per poll (all partitions together)
 WRITES_IN_FLIGHT_MAX = 64  # concurrent UPDATEs against Cassandra
 WRITE_TIMEOUT_S = 5.0  # one UPDATE, client side
 WRITE_RETRY_BACKOFF_S_MIN = 0.2
 WRITE_RETRY_BACKOFF_S_MAX = 2.0
-WRITE_RETRY_WINDOW_S = 240.0  # then exit; must stay below MAX_POLL_INTERVAL_MS
-MAX_POLL_INTERVAL_MS = 300_000
-SESSION_TIMEOUT_MS = 10_000
+WRITE_RETRY_WINDOW_S = 240.0  # then exit; must stay below follower.MAX_POLL_INTERVAL_MS
 DEAD_LETTER_VALUE_BYTES_MAX = 4_096
 STATS_LOG_INTERVAL_S = 10.0
 READMODEL_METRICS_PORT_ENV = "CHATPLANE_READMODEL_METRICS_PORT"  # Prometheus /metrics; 0: not served
@@ -298,9 +294,7 @@ class ReadModelProjection:
         self.bootstrap = bootstrap
         self.topology = topology
         self.settings = settings
-        self.group_id = group_id or (
-            f"{topology.namespace}.{READMODEL_GROUP}" if topology.namespace else READMODEL_GROUP
-        )
+        self.group_id = group_id or follower_group(topology.namespace, READMODEL_GROUP)
         self.stats = ProjectionStats()
         self.keep_lag_samples = keep_lag_samples
         self._stopping = asyncio.Event()
@@ -319,18 +313,7 @@ class ReadModelProjection:
         self.writer = GenerationWriter(session, self.settings)
         self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5, **producer_kwargs())
         await self.producer.start()
-        self.consumer = AIOKafkaConsumer(
-            self.topology.ledger.name,
-            bootstrap_servers=self.bootstrap,
-            group_id=self.group_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            max_poll_interval_ms=MAX_POLL_INTERVAL_MS,
-            session_timeout_ms=SESSION_TIMEOUT_MS,
-            heartbeat_interval_ms=SESSION_TIMEOUT_MS // 3,
-            max_poll_records=BATCH_RECORDS_MAX,
-            **kafka_client_kwargs(),
-        )
+        self.consumer = follower_consumer(self.bootstrap, (self.topology.ledger.name,), self.group_id, BATCH_RECORDS_MAX)
         await self.consumer.start()
 
     async def close(self) -> None:
@@ -416,12 +399,8 @@ class ReadModelProjection:
             self._remember(cid)
         self.stats.rows_written += len(rows)
         self.stats.batches += 1
-        try:
-            await self.consumer.commit(offsets)
-        except CommitFailedError as exc:
-            # A rebalance took the partitions: the new owner replays from the last commit (idempotent).
-            log.warning("offset commit failed after a rebalance: %s", exc)
-        self.stats.positions.update(offsets)
+        # After a rebalance took the partitions, the new owner replays from the last commit (idempotent).
+        await commit_offsets(self.consumer, offsets, self.stats.positions, log)
         if oldest_ts_ms is not None:
             self.stats.last_lag_ms = time.time() * 1000 - oldest_ts_ms
             if self.keep_lag_samples:
@@ -466,44 +445,22 @@ class ReadModelProjection:
 async def _main(args: argparse.Namespace, settings: ReadModelSettings) -> int:
     topology = Topology(args.namespace)
     projection = ReadModelProjection(args.bootstrap, topology, settings, group_id=args.group or None)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, projection.stop)
-    metrics = readmodel_metrics(topology)  # served on CHATPLANE_READMODEL_METRICS_PORT (docs/metrics.md)
-    metrics.bind(projection)
-    try:
-        metrics_server = await start_metrics_server(metrics.registry, args.metrics_port, name="readmodel")
-    except MetricsPortUnavailable as exc:
-        log.error("%s", exc)
-        return 2
-    await projection.start()
-    log.info(
-        "readmodel projecting %s into %s.%s (group %s)",
-        topology.ledger.name,
-        settings.keyspace,
-        GENERATIONS_TABLE,
-        projection.group_id,
+    return await run_follower(
+        projection,
+        name="readmodel",
+        label="readmodel",
+        metrics=readmodel_metrics(topology),  # served on CHATPLANE_READMODEL_METRICS_PORT (docs/metrics.md)
+        metrics_port=args.metrics_port,
+        stalled=ProjectionStalled,
+        started=f"readmodel projecting {topology.ledger.name} into {settings.keyspace}.{GENERATIONS_TABLE} "
+        f"(group {projection.group_id})",
+        log=log,
     )
-    print("readmodel: started", flush=True)
-    try:
-        await projection.run()
-    except ProjectionStalled as exc:
-        log.error("%s; exiting to resume from the last committed offset", exc)
-        return 3
-    except KafkaError as exc:
-        log.error("Kafka error: %r", exc)
-        return 4
-    finally:
-        await projection.close()
-        if metrics_server is not None:
-            await metrics_server.close()
-    log.info("readmodel stopped: %s", projection.stats)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m projections.readmodel", description=__doc__.split("\n")[0])
-    parser.add_argument("--bootstrap", default=env_value("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    parser.add_argument("--bootstrap", default=kafka_bootstrap())
     parser.add_argument("--namespace", default=env_value("CHATPLANE_NAMESPACE", ""))
     parser.add_argument(
         "--group",

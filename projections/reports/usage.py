@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 
 import orjson
 
-from infra.runtime.settings import env_value
+from infra.runtime.settings import env_value, kafka_bootstrap
 from infra.runtime.topic_reader import read_topic
 from schemas import events as ev
 from schemas.topics import HOUR_MS, Topology
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m projections.reports.usage", description=__doc__.split("\n")[0])
     parser.add_argument("--from", dest="from_", required=True, help="ISO 8601 time or epoch ms (inclusive)")
     parser.add_argument("--to", required=True, help="ISO 8601 time or epoch ms (exclusive)")
-    parser.add_argument("--bootstrap", default=env_value("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    parser.add_argument("--bootstrap", default=kafka_bootstrap())
     parser.add_argument("--namespace", default=env_value("CHATPLANE_NAMESPACE", ""))
     parser.add_argument("--chart", default="usage-report.png", help="PNG path (default usage-report.png)")
     parser.add_argument("--no-chart", action="store_true")

@@ -21,7 +21,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
 from edge.routes.ui import PAGE_HEADERS
-from tests.browser.chromium import LoopThreadServer, chromium, console, last_answer, screenshot, sign_in_dev, wait_for
+from infra.harness.chromium import LoopThreadServer, chromium, console, last_answer, screenshot, sign_in_dev, wait_for
 
 UI = Path(__file__).resolve().parents[2] / "edge" / "ui"
 INJECTION = '<img src=x onerror="window.__xss=1">'

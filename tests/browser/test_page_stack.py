@@ -30,10 +30,18 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select
 
-from tests.browser.chromium import LoopThreadServer, answer_status, chromium, console, last_answer, screenshot, sign_in_dev, wait_for
-from tests.integration.readmodel_load import ProjectionProcess
+from infra.harness.chromium import (
+    LoopThreadServer,
+    answer_status,
+    chromium,
+    console,
+    last_answer,
+    screenshot,
+    sign_in_dev,
+    wait_for,
+)
+from infra.harness.processes import ProjectionProcess, WorkerProcess
 from tests.integration.test_edge_harness import edge_process_factory  # noqa: F401 (fixture)
-from tests.integration.workers_harness import WorkerProcess
 
 pytestmark = pytest.mark.integration
 

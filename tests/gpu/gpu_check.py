@@ -21,7 +21,8 @@ import time
 import uuid
 from pathlib import Path
 
-from workers.engines.base import EngineRequest, Finished, FinishReason, Message, TextChunk
+from schemas.codes import FinishReason
+from workers.engines.base import EngineRequest, Finished, Message, TextChunk
 from workers.engines.sglang import SGLangEngine, new_rid
 
 CHECK_TIMEOUT_S = 300.0
@@ -95,8 +96,8 @@ async def end_to_end(engine: SGLangEngine, bootstrap: str, model_dir: Path) -> N
     from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics
     from schemas.codes import RequestStatus
     from schemas.topics import Topology
-    from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding
-    from tests.integration.workers_harness import TestEdge, worker_settings
+    from infra.harness.processes import ProcessorProcess, wait_until_deciding
+    from infra.harness.worker_edge import TestEdge, worker_settings
     from workers.worker import Worker
 
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))

@@ -15,7 +15,7 @@ import pytest
 from infra.runtime.command_client import CommandClient
 from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics
 from schemas.topics import Topology
-from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding
+from infra.harness.processes import ProcessorProcess, wait_until_deciding
 
 LOAD_DECISION_TIMEOUT_S = 15.0
 

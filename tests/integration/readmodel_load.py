@@ -1,5 +1,6 @@
-"""Helpers for the read-model tests: drive generations through the real processor, run the real
-projection process, and rebuild the expected read model from the ledger independently.
+"""Helpers for the read-model tests: drive generations through the real processor and rebuild the
+expected read model from the ledger independently (the real projection process, ``ProjectionProcess``,
+is in ``infra.harness.processes``, shared with the benchmarks).
 
 ``FakeWorker`` stands in for an inference worker (no model runs here): it accepts the attempt
 through the processor, writes a canned result into the real result store, and reports usage, in
@@ -9,10 +10,6 @@ the order the real worker must (store first, then report completion).
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -31,7 +28,6 @@ from schemas.wire import decode_ledger_entry
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECTION_READY_TIMEOUT_S = 60.0
-PROJECTION_STOP_TIMEOUT_S = 30.0
 CATCH_UP_TIMEOUT_S = 120.0
 CATCH_UP_POLL_S = 0.5
 FAKE_FINGERPRINT_HEX = "ab" * 16
@@ -112,52 +108,6 @@ class FakeWorker:
         assert outcome.kind is OutcomeKind.ADMITTED, outcome
         await self.complete(outcome, user_id, output_tokens, text=text)
         return Driven(outcome.generation_id or "", user_id, key, outcome.epoch)
-
-
-class ProjectionProcess:
-    """``python -m projections.readmodel`` (or another ``module``, e.g. the history writer
-    ``projections.history``) as a subprocess (SIGTERM to stop, SIGKILL to crash)."""
-
-    def __init__(self, bootstrap: str, namespace: str, log_dir: Path, module: str = "projections.readmodel", **env: Any) -> None:
-        self.module = module
-        self.bootstrap = bootstrap
-        self.namespace = namespace
-        self.log_dir = log_dir
-        self.env = {k: str(v) for k, v in env.items()}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    def start(self) -> None:
-        self.starts += 1
-        env = dict(os.environ)
-        env.update(CHATPLANE_KAFKA_BOOTSTRAP=self.bootstrap, CHATPLANE_NAMESPACE=self.namespace, PYTHONUNBUFFERED="1")
-        env.update(self.env)
-        self.log_path = self.log_dir / f"{self.module.rsplit('.', 1)[-1]}-{self.starts}.log"
-        log = open(self.log_path, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-
-    def kill(self) -> None:
-        """kill -9: no shutdown path runs (offsets stay where the last commit left them)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=PROJECTION_STOP_TIMEOUT_S)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.starts else ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=PROJECTION_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=PROJECTION_STOP_TIMEOUT_S)
 
 
 @dataclass

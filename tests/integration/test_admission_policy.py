@@ -23,10 +23,10 @@ from schemas import commands as cmd
 from schemas import events as ev
 from schemas.codes import RejectionCode
 from schemas.wire import decode_command
-from tests.integration.ledger_harness import wait_until_committed, wait_until_deciding
+from infra.harness.processes import HTTP_TIMEOUT_S, WorkerProcess, wait_until_committed, wait_until_deciding
 from tests.integration.test_edge_errors import body, typed
-from tests.integration.test_edge_harness import HTTP_TIMEOUT_S, edge_process_factory  # noqa: F401 (fixture)
-from tests.integration.workers_harness import WorkerProcess, ledger_events
+from tests.integration.test_edge_harness import edge_process_factory  # noqa: F401 (fixture)
+from tests.integration.workers_harness import ledger_events
 
 pytestmark = pytest.mark.integration
 

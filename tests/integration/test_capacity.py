@@ -18,9 +18,9 @@ import pytest
 
 from edge.capacity import NO_CAPACITY_WAIT_MS
 from schemas.codes import REJECTIONS, RejectionCode
+from infra.harness.models import SIM_POOL
+from infra.harness.processes import WorkerProcess
 from tests.integration.test_edge_harness import edge_settings, serve_edge
-from tests.integration.workers_harness import WorkerProcess
-from tests.models import SIM_POOL
 
 pytestmark = pytest.mark.integration
 

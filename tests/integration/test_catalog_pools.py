@@ -18,10 +18,10 @@ from infra.runtime.command_client import CommandClient
 from infra.runtime.kafka_admin import deployment_topics, ensure_topics
 from schemas import events as ev
 from schemas.codes import RequestStatus
-from tests.integration.ledger_harness import ProcessorProcess, wait_until_deciding
+from infra.harness.models import CPU_ALIAS, SIM_ALIAS, TEST_CATALOG_PATH
+from infra.harness.processes import ProcessorProcess, WorkerProcess, wait_until_deciding
 from tests.integration.test_edge_harness import edge_settings, serve_edge
-from tests.integration.workers_harness import WorkerProcess, ledger_events
-from tests.models import CPU_ALIAS, SIM_ALIAS, TEST_CATALOG_PATH
+from tests.integration.workers_harness import ledger_events
 from workers.engines.cpu import cpu_runtime_missing_reason
 
 pytestmark = pytest.mark.integration

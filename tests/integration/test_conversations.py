@@ -22,9 +22,10 @@ from schemas import events as ev
 from schemas.messages import PromptPublished
 from schemas.topics import RESULTS_TABLE
 from schemas.wire import decode_message
-from tests.integration.readmodel_load import ProjectionProcess
+from infra.harness.processes import ProjectionProcess, WorkerProcess
+from infra.runtime.topic_reader import read_topic
 from tests.integration.test_edge_harness import edge_settings, serve_edge
-from tests.integration.workers_harness import WorkerProcess, ledger_events, read_topic
+from tests.integration.workers_harness import ledger_events
 
 pytestmark = pytest.mark.integration
 

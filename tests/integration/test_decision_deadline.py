@@ -34,10 +34,10 @@ from schemas import events as ev
 from schemas.codes import RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, OutcomeKind
 from schemas.wire import decode_ledger_entry, decode_message, encode
-from tests.integration.ledger_harness import wait_until_committed, wait_until_deciding
+from infra.harness.models import SIM_ALIAS, SIM_POOL
+from infra.harness.processes import wait_until_committed, wait_until_deciding
 from tests.integration.test_edge_errors import body, typed
 from tests.integration.test_edge_harness import FakeSimWorker, edge_settings, serve_edge
-from tests.models import SIM_ALIAS, SIM_POOL
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ import pytest
 from edge.admission import probe_user_id
 from projections.ledger.audit import audit, read_table
 from schemas.codes import REJECTIONS, RejectionCode
-from tests.integration.ledger_harness import PROCESSOR_READY_TIMEOUT_S
-from tests.integration.test_edge_harness import EDGE_INBOX_PARTITION, edge_settings, serve_edge
+from infra.harness.processes import EDGE_INBOX_PARTITION, PROCESSOR_READY_TIMEOUT_S
+from tests.integration.test_edge_harness import edge_settings, serve_edge
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,7 @@ from infra.runtime.topic_reader import read_topic
 from schemas.codes import REJECTIONS, RejectionCode
 from schemas.events import CancelRequested, GenerationAdmitted
 from schemas.wire import decode_ledger_entry
-from tests.integration.ledger_harness import wait_until_deciding
+from infra.harness.processes import wait_until_deciding
 from tests.integration.test_edge_harness import FakeSimWorker, edge_settings, serve_edge
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,7 @@
 """Harness for the edge's end-to-end tests: a real edge (uvicorn on a real socket) in front of the real
 processor, and ``FakeSimWorker``, a small simulated worker for tests (named as a fake: the real
-``workers`` sim engine replaces it when it lands).
+``workers`` sim engine replaces it when it lands). ``python -m edge`` as a subprocess is
+``infra.harness.processes.EdgeProcess`` (shared with the benchmarks); its fixture is here.
 
 ``FakeSimWorker`` follows the worker protocol of ``schemas/messages.py``: consume dispatch, ask the
 edge for the prompt (``PromptRequest`` -> ``PromptPayload``), ``AcceptAttempt`` before any output,
@@ -13,15 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,20 +30,17 @@ from edge.__main__ import uvicorn_config
 from edge.app import create_app
 from edge.auth import mint
 from edge.settings import EdgeSettings
+from infra.harness.models import SIM_POOL
+from infra.harness.processes import EDGE_INBOX_PARTITION, HTTP_TIMEOUT_S, EdgeProcess
 from infra.runtime.command_client import CommandClient
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, OutcomeKind, PromptPayload, PromptRequest, TextDelta
 from schemas.topics import Topology
 from schemas.wire import decode_message, encode
-from tests.models import SIM_POOL
 
-EDGE_INBOX_PARTITION = 1
 FAKE_WORKER_INBOX_PARTITION = 7
 PROMPT_WAIT_S = 5.0
-HTTP_TIMEOUT_S = 30.0
-EDGE_START_TIMEOUT_S = 60.0
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def sse_events(text: str) -> list[tuple[int | None, str, dict[str, Any]]]:
@@ -266,74 +260,6 @@ async def serve_edge(settings: EdgeSettings) -> AsyncIterator[RunningEdge]:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, 30)
         sock.close()
-
-
-class EdgeProcess:
-    """``python -m edge`` as a subprocess on a free port (logs in ``log_dir``)."""
-
-    def __init__(self, bootstrap: str, topology: Topology, log_dir: Path, **env: Any) -> None:
-        self.bootstrap, self.topology, self.log_dir = bootstrap, topology, log_dir
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {
-            "CHATPLANE_KAFKA_BOOTSTRAP": bootstrap,
-            "CHATPLANE_NAMESPACE": topology.namespace,
-            "CHATPLANE_EDGE_INBOX_PARTITION": str(EDGE_INBOX_PARTITION),
-            "CHATPLANE_EDGE_PORT": str(self.port),
-            "CHATPLANE_EDGE_CAPACITY_CHECK": "0",
-            "CHATPLANE_EDGE_READ_MODEL": "0",
-            "CHATPLANE_EDGE_DECISION_TIMEOUT_S": "10",
-            # 127.0.0.1 stands for many users here: no per-address bucket unless the caller sets one.
-            "CHATPLANE_EDGE_IP_BURST": "0",
-            "CHATPLANE_DEV_MODE": "1",  # also when a bench script starts it without tests/conftest.py
-            "PYTHONUNBUFFERED": "1",
-            **{k: str(v) for k, v in env.items()},
-        }
-        self.settings = EdgeSettings(kafka_bootstrap=bootstrap, topology=topology, dev_mode=True)
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    async def start(self) -> None:
-        log = open(self.log_dir / f"edge-{self.port}.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "edge"], cwd=ROOT, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + EDGE_START_TIMEOUT_S
-        async with httpx.AsyncClient(base_url=self.url, timeout=2) as http:
-            while True:
-                assert self.proc.poll() is None, f"edge exited: {(self.log_dir / f'edge-{self.port}.log').read_text()[-2000:]}"
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await http.get("/readyz")).status_code == 200:
-                        return
-                assert time.monotonic() < deadline, "edge did not become ready"
-                await asyncio.sleep(0.1)
-
-    def signal(self, sig: int) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-
-    async def wait(self, timeout_s: float) -> int:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        while self.proc.poll() is None:
-            assert time.monotonic() < deadline, "edge did not exit"
-            await asyncio.sleep(0.1)
-        return self.proc.returncode
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-
-    def headers(self, user: str, key: str | None = None, tier: Tier = Tier.FREE) -> dict[str, str]:
-        h = {"Authorization": f"Bearer {mint(self.settings, user, tier)}"}
-        if key is not None:
-            h["Idempotency-Key"] = key
-        return h
-
-    def http(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, timeout=HTTP_TIMEOUT_S)
 
 
 @pytest.fixture

@@ -56,11 +56,17 @@ from schemas.codes import Tier
 from schemas.messages import Outcome
 from schemas.topics import USER_PARTITIONS, Topology
 from schemas.wire import decode_command, decode_message, encode
-from tests.integration.ledger_harness import ProcessorProcess, wait_until_committed, wait_until_deciding
+from infra.harness.processes import (
+    EdgeProcess,
+    ProcessorProcess,
+    ProjectionProcess,
+    WorkerProcess,
+    wait_until_committed,
+    wait_until_deciding,
+)
 from tests.integration.nginx_harness import NginxProcess, nginx_binary
-from tests.integration.readmodel_load import ProjectionProcess
-from tests.integration.test_edge_harness import EdgeProcess, sse_events
-from tests.integration.workers_harness import WorkerProcess, ledger_events
+from tests.integration.test_edge_harness import sse_events
+from tests.integration.workers_harness import ledger_events
 
 pytestmark = pytest.mark.integration
 

@@ -20,10 +20,8 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.ledger_harness import wait_until_deciding
-from tests.integration.readmodel_load import ProjectionProcess
+from infra.harness.processes import ProjectionProcess, WorkerProcess, wait_until_deciding
 from tests.integration.test_edge_harness import edge_process_factory  # noqa: F401 (fixture)
-from tests.integration.workers_harness import WorkerProcess
 
 pytestmark = pytest.mark.integration
 

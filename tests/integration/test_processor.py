@@ -18,7 +18,7 @@ from schemas import commands as cmd
 from schemas.codes import FinishOutcome, RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, Outcome, OutcomeKind
 from schemas.wire import decode_ledger_entry, decode_message, encode
-from tests.integration.ledger_harness import wait_until_committed, wait_until_deciding
+from infra.harness.processes import wait_until_committed, wait_until_deciding
 
 pytestmark = pytest.mark.integration
 

@@ -22,10 +22,10 @@ import pytest
 
 from infra.models.catalog import DEFAULT_CATALOG_PATH, load_catalog
 from schemas import events as ev
-from tests.integration.readmodel_load import ProjectionProcess
+from infra.harness.models import CPU_ALIAS
+from infra.harness.processes import ProjectionProcess, WorkerProcess
 from tests.integration.test_edge_harness import edge_settings, serve_edge
-from tests.integration.workers_harness import WorkerProcess, ledger_events
-from tests.models import CPU_ALIAS
+from tests.integration.workers_harness import ledger_events
 from workers.engines.cpu import PROMPT_IDS_LOG_ENV, cpu_runtime_missing_reason
 
 MISSING = cpu_runtime_missing_reason()

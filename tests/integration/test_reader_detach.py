@@ -18,9 +18,9 @@ import pytest
 
 from schemas import events as ev
 from schemas.codes import CancelReason
-from tests.integration.ledger_harness import wait_until_deciding
+from infra.harness.processes import WorkerProcess, wait_until_deciding
 from tests.integration.test_edge_harness import edge_process_factory  # noqa: F401 (fixture)
-from tests.integration.workers_harness import WorkerProcess, ledger_events
+from tests.integration.workers_harness import ledger_events
 
 pytestmark = pytest.mark.integration
 

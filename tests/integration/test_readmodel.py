@@ -29,10 +29,10 @@ from schemas import events as ev
 from schemas.codes import RequestStatus
 from schemas.messages import OutcomeKind
 from schemas.wire import decode_ledger_entry
+from infra.harness.processes import ProjectionProcess
 from tests.integration.readmodel_load import (
     ROOT,
     FakeWorker,
-    ProjectionProcess,
     expected_from_ledger,
     group_caught_up,
     read_rows,
@@ -240,7 +240,7 @@ async def test_a_table_created_before_columns_were_added_gains_them_and_its_old_
     """An existing keyspace keeps its table: ``ensure_schema`` adds the columns added since (a turn's
     conversation and revision among them), and a row written before them reads as before, without a
     turn."""
-    from infra.stores.schema import ADDED_GENERATION_COLUMNS, GENERATION_COLUMNS
+    from schemas.tables import ADDED_GENERATION_COLUMNS, GENERATION_COLUMNS
     from schemas.topics import GENERATIONS_TABLE
 
     ks = rm_settings.keyspace

@@ -21,9 +21,9 @@ from infra.stores.cassandra import execute
 from infra.stores.schema import ReadModelSettings
 from schemas import events as ev
 from schemas.topics import GENERATIONS_TABLE, RESULTS_TABLE
-from tests.integration.readmodel_load import ProjectionProcess
+from infra.harness.processes import ProjectionProcess, WorkerProcess
 from tests.integration.test_edge_harness import edge_settings, serve_edge
-from tests.integration.workers_harness import WorkerProcess, ledger_events
+from tests.integration.workers_harness import ledger_events
 from workers.result_sink import CassandraResultSink
 
 pytestmark = pytest.mark.integration
@@ -77,7 +77,7 @@ async def test_same_key_retry_through_a_fresh_edge_returns_text_stored_by_the_wo
         assert projected.output_tokens == doc["usage"]["output_tokens"]
 
         async with serve_edge(edge_settings(kafka_bootstrap, topology, read_model=True)) as second, second.http() as http:
-            assert second.app.state.edge.hub.result_of(gid) is None  # nothing in this edge's memory
+            assert second.app.state.edge.retention.result_of(gid) is None  # nothing in this edge's memory
             retry = await http.post("/v1/generations", json=BODY, headers=second.headers(user, key))
             assert retry.status_code == 200, retry.text
             assert retry.json()["id"] == gid and retry.json()["output"] == [{"type": "text", "text": text}]

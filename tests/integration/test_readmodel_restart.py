@@ -21,13 +21,8 @@ import pytest
 
 from infra.stores.queries import GenerationReader, ReadModelUnavailable
 from infra.stores.schema import ReadModelSettings, close_cluster, open_session
-from tests.integration.readmodel_load import (
-    ROOT,
-    FakeWorker,
-    ProjectionProcess,
-    expected_from_ledger,
-    wait_caught_up,
-)
+from infra.harness.processes import ProjectionProcess
+from tests.integration.readmodel_load import ROOT, FakeWorker, expected_from_ledger, wait_caught_up
 
 pytestmark = pytest.mark.integration
 

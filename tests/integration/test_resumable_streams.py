@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from schemas import events as ev
-from tests.integration.readmodel_load import ProjectionProcess
+from infra.harness.processes import ProjectionProcess, WorkerProcess
 from tests.integration.test_edge_harness import edge_process_factory, sse_events  # noqa: F401 (fixture)
-from tests.integration.workers_harness import WorkerProcess, ledger_events
+from tests.integration.workers_harness import ledger_events
 
 pytestmark = pytest.mark.integration
 

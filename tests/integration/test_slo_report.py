@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from infra.harness.processes import WorkerProcess
 from tests.integration.test_edge_harness import edge_process_factory  # noqa: F401 (fixture)
-from tests.integration.workers_harness import WorkerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -26,9 +26,9 @@ from control_plane.state import UserLedger
 from projections.ledger.audit import audit
 from schemas import events as ev
 from schemas.codes import FinishOutcome
-from tests.integration.ledger_harness import wait_until_committed, wait_until_deciding
+from infra.harness.processes import WorkerProcess, wait_until_committed, wait_until_deciding
 from tests.integration.test_edge_harness import edge_settings, serve_edge
-from tests.integration.workers_harness import WorkerProcess, ledger_events
+from tests.integration.workers_harness import ledger_events
 
 pytestmark = pytest.mark.integration
 

@@ -26,9 +26,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from infra.stores.schema import ReadModelSettings
 from projections.readmodel.writer import ReadModelProjection
 from infra.runtime import tracing
-from tests.integration.ledger_harness import wait_until_deciding
+from infra.harness.processes import wait_until_deciding
+from infra.harness.worker_edge import served, worker_settings
 from tests.integration.test_edge_harness import edge_settings, serve_edge
-from tests.integration.workers_harness import served, worker_settings
 from workers.engines.sim import SimConfig, SimulatedEngine
 from workers.worker import Worker
 

@@ -22,17 +22,11 @@ from schemas.messages import OutcomeKind, WorkerHeartbeat
 from schemas.topics import Topology
 from schemas.wire import decode_message
 from tests.doubles import MemoryResultSink
-from tests.models import SIM_POOL
-from tests.integration.ledger_harness import wait_until_deciding
+from infra.harness.models import SIM_POOL
+from infra.harness.processes import WorkerProcess, wait_until_deciding
+from infra.harness.worker_edge import TestEdge, now_ms, served, worker_settings
 from tests.integration.test_edge_harness import edge_settings, serve_edge
-from tests.integration.workers_harness import (
-    TestEdge,
-    WorkerProcess,
-    ledger_events,
-    now_ms,
-    served,
-    worker_settings,
-)
+from tests.integration.workers_harness import ledger_events
 from workers.engines.sim import SimConfig, SimulatedEngine
 from workers.worker import MissingTopics, Worker
 

@@ -12,8 +12,8 @@ import httpx_sse
 import pytest
 
 from schemas.codes import RequestStatus
+from infra.harness.processes import WorkerProcess
 from tests.integration.test_edge_harness import edge_settings, serve_edge
-from tests.integration.workers_harness import WorkerProcess
 from workers.engines.cpu import cpu_runtime_missing_reason
 
 MISSING = cpu_runtime_missing_reason()

@@ -24,7 +24,7 @@ from infra.models.catalog import (
 )
 from infra.models.tokens import count_input_tokens, fallback_token_estimate
 from schemas.codes import Tier
-from tests.models import SIM_ALIAS, TEST_CATALOG_PATH
+from infra.harness.models import SIM_ALIAS, TEST_CATALOG_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 SHA = "ab" * 32

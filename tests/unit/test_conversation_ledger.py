@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from control_plane.decide import conversation_id_for, next_deadline_ms
+from control_plane.decide import next_deadline_ms
+from control_plane.ids import conversation_id_for
 from control_plane.invariants import InvariantMonitor
 from control_plane.policy import Policy
 from control_plane.routing import route

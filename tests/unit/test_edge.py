@@ -643,7 +643,7 @@ async def test_hub_drops_stale_epoch_and_duplicate_deltas_and_ends_only_on_final
     hub.on_message(finalized(epoch=2))  # once
     assert frames_of(s)[-1] == "event: generation.completed" and s.done.is_set()
     assert sum(b"event: generation.completed" in f for f in s.buffer) == 1
-    assert hub.result_of("g1") == "b"
+    assert hub.retention.result_of("g1") == "b"
 
 
 async def test_hub_slow_stream_is_cancelled_at_its_limit_and_others_are_untouched():
@@ -747,14 +747,14 @@ async def test_a_stream_whose_client_left_before_the_headers_is_still_released()
 async def test_retained_results_are_bounded_in_count_and_dropped_once_expired(monkeypatch):
     import dataclasses
 
-    from edge import streams
+    from edge import result_retention
 
-    hub = make_hub(result_cache_bytes_max=10 * streams.RESULT_ENTRY_OVERHEAD_BYTES)
+    hub = make_hub(result_cache_bytes_max=10 * result_retention.RESULT_ENTRY_OVERHEAD_BYTES)
     for i in range(100):  # empty results: their text alone counts nothing
         held(hub, f"g{i}")
         hub.on_message(finalized(gid=f"g{i}"))
-    assert list(hub.results) == [f"g{i}" for i in range(90, 100)]
-    assert hub.results_bytes == 10 * streams.RESULT_ENTRY_OVERHEAD_BYTES
+    assert list(hub.retention.entries) == [f"g{i}" for i in range(90, 100)]
+    assert hub.retention.bytes_held == 10 * result_retention.RESULT_ENTRY_OVERHEAD_BYTES
 
     settings = EdgeSettings(capacity_check=False, read_model=False)
     hub = make_hub(policy=dataclasses.replace(settings.policy, result_ttl_ms=20))
@@ -764,7 +764,7 @@ async def test_retained_results_are_bounded_in_count_and_dropped_once_expired(mo
     await asyncio.sleep(0.05)
     held(hub, "g5")
     hub.on_message(finalized(gid="g5"))
-    assert list(hub.results) == ["g5"] and hub.results_bytes == streams.RESULT_ENTRY_OVERHEAD_BYTES
+    assert list(hub.retention.entries) == ["g5"] and hub.retention.bytes_held == result_retention.RESULT_ENTRY_OVERHEAD_BYTES
 
 
 # --- issue 5 checklist: codes, Retry-After, tokenizer, metrics, result bytes ----------------------
@@ -930,8 +930,8 @@ class FakeHistory:
         self.revision = revision  # None: every call fails as the store does
         self.calls: list[tuple] = []
 
-    async def call(self, op: str, *args, **kwargs):
-        self.calls.append((op, *args))
+    async def get_conversation(self, conversation_id: str):
+        self.calls.append(("get_conversation", conversation_id))
         if self.revision is None:
             raise ApiError(RejectionCode.HISTORY_UNAVAILABLE, retry_after_s=1)
         return type("Row", (), {"status": "active", "revision": self.revision})()

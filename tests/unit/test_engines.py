@@ -25,7 +25,8 @@ import tempfile
 
 import pytest
 
-from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, Message, TextChunk
+from schemas.codes import FinishReason
+from workers.engines.base import EngineError, EngineRequest, Finished, Message, TextChunk
 from infra.models.prompt_framing import FramingError
 from workers.engines.sglang import RID_HEX_CHARS, ChunkAdapter, EngineHost, SGLangEngine, hf_prompt_ids, new_rid
 from workers.engines.sim import SimConfig, SimulatedEngine

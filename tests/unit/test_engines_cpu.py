@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.engines.base import EngineRequest, Finished, FinishReason, Message, TextChunk
+from schemas.codes import FinishReason
+from workers.engines.base import EngineRequest, Finished, Message, TextChunk
 from workers.engines.cpu import CpuEngine, cpu_runtime_missing_reason
 from infra.models.catalog import DEFAULT_CATALOG_PATH, load_catalog
 from infra.models.tokens import count_input_tokens

@@ -97,7 +97,7 @@ async def test_text_after_the_first_tries_reader_left_is_collected_for_the_follo
     assert follower.ended
     view, text = await follower.settled()
     assert view.status is RequestStatus.COMPLETED and text == "Red, green."
-    assert hub.result_of(GID) == "Red, green.", "the whole text is retained for a later retry or GET"
+    assert hub.retention.result_of(GID) == "Red, green.", "the whole text is retained for a later retry or GET"
     hub.unfollow(GID, USER, ended=True)
     await hub.flush_background()
 

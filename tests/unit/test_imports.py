@@ -178,12 +178,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def undeclared_deferred_imports() -> list[str]:
-    """Function-level imports of our own modules without a ``# deferred:`` comment saying why."""
+    """Function-level imports of our own modules without a ``# deferred:`` comment saying why: on the
+    import's own lines or above it, where a comment heads a block of imports (comment lines and
+    import statements in between)."""
     found: list[str] = []
     for top in ("schemas", "control_plane", "infra", "projections", "edge", "workers"):
         for path in python_files(top):
             lines = path.read_text().splitlines()
             tree = ast.parse("\n".join(lines), str(path))
+            import_lines = {
+                n for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for n in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+            }
             for fn in ast.walk(tree):
                 if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
@@ -196,8 +202,13 @@ def undeclared_deferred_imports() -> list[str]:
                         continue
                     if not any(_ours(m) or m == "(relative)" for m in mods):
                         continue
-                    around = lines[max(0, node.lineno - 2): node.end_lineno or node.lineno]
-                    if not any("# deferred:" in line for line in around):
+                    own = lines[node.lineno - 1: node.end_lineno or node.lineno]
+                    declared = any("# deferred:" in line for line in own)
+                    n = node.lineno - 1
+                    while not declared and n >= 1 and (n in import_lines or lines[n - 1].strip().startswith("#")):
+                        declared = "# deferred:" in lines[n - 1]
+                        n -= 1
+                    if not declared:
                         found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {', '.join(mods)}")
     return found
 
@@ -242,6 +253,19 @@ def test_an_undeclared_function_level_import_is_caught(tmp_path: Path):
     finally:
         target.unlink()
     assert any(target.name in v for v in found), found
+
+
+def test_a_deferred_comment_covers_the_block_of_imports_under_it(tmp_path: Path):
+    target = ROOT / "edge" / f"deferred_{tmp_path.name[-8:]}.py"
+    target.write_text(
+        "def f():\n    # deferred: planted\n    from schemas.codes import Tier\n    import schemas.topics\n"
+        "    x = 1\n    from schemas.wire import encode\n    return Tier, x, encode\n"
+    )
+    try:
+        found = [v for v in undeclared_deferred_imports() if target.name in v]
+    finally:
+        target.unlink()
+    assert found == [f"edge/{target.name}:6: schemas.wire"]
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ KUSTOMIZATIONS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu"}
 # and the preStop sleep action the edge uses are on by default from 1.28 and 1.30).
 K8S_VERSION = "1.33"
 TOOLS_TIMEOUT_S = 900  # a first run builds kustomize and downloads the CRDs (about a minute here)
-PRODUCT = ("schemas", "control_plane", "projections", "edge", "workers")
+PRODUCT = ("schemas", "control_plane", "infra", "projections", "edge", "workers")
 
 
 @dataclass(frozen=True)

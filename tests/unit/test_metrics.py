@@ -22,18 +22,20 @@ from control_plane.policy import Policy
 from edge.metrics import EdgeMetrics
 from projections.ledger.metrics import ProcessorMetrics
 from projections.ledger.processor import ProcessorStats
-from projections.readmodel.metrics import history_metrics, readmodel_metrics
+from projections.history.metrics import history_metrics
+from projections.readmodel.metrics import readmodel_metrics
 from projections.readmodel.writer import ProjectionStats
 from projections.history.writer import HistoryStats
 from infra.runtime.metrics_http import LoopHistogram, MetricsPortUnavailable, MetricsServer, start_metrics_server
 from schemas.codes import FinishOutcome, Tier
 from schemas.topics import Topology
-from tests.integration.workers_harness import served, worker_settings
+from infra.harness.worker_edge import served, worker_settings
 from tests.unit.ledger_dsl import Ledger, types
+from workers.attempt import AttemptTrace, StopReason
 from workers.engines.sim import SimulatedEngine
 from workers.metrics import WorkerMetrics
 from workers.result_sink import CassandraResultSink
-from workers.worker import AttemptTrace, StopReason, Worker
+from workers.worker import Worker
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "infra" / "grafana" / "chatplane-dashboard.json"

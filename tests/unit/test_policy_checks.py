@@ -18,7 +18,7 @@ from infra.content.policy_checks import (
 from infra.runtime.settings import SettingsError
 from schemas.codes import REJECTIONS, FinishOutcome, FinishReason, RejectionCode
 from schemas.messages import ChatMessage
-from workers.worker import StopReason, keeps_result, stop_report
+from workers.attempt import StopReason, keeps_result, stop_report
 
 
 def blocklist(*terms: str) -> Blocklist:

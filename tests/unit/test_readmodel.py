@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from projections.readmodel.writer import fold_entry, merge_batch, update_cql
-from infra.stores.schema import GENERATION_COLUMNS, ReadModelSettings
+from infra.stores.schema import ReadModelSettings
+from schemas.tables import GENERATION_COLUMNS
 from projections.reports.usage import UsageTotals, aggregate_usage, parse_time_ms
 from schemas import events as ev
 from schemas.codes import FinishOutcome, RequestStatus
@@ -95,7 +96,7 @@ def test_a_turn_s_row_keeps_its_conversation_and_revision_and_old_rows_read_with
     from types import SimpleNamespace
 
     from infra.stores.queries import _view
-    from infra.stores.schema import ADDED_GENERATION_COLUMNS
+    from schemas.tables import ADDED_GENERATION_COLUMNS
 
     led = Ledger()
     led.create_conversation()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infra.stores.schema import GENERATION_METADATA_TTL_S_DEFAULT, RESULT_TTL_S_DEFAULT, results_ddl
+from infra.stores.schema import GENERATION_METADATA_TTL_S_DEFAULT, RESULT_TTL_S_DEFAULT
+from schemas.tables import results_ddl
 from infra.models.catalog import DEFAULT_CATALOG_PATH, load_catalog
 from infra.runtime.kafka_admin import deployment_topics
 from schemas.topics import Topology

@@ -10,7 +10,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-import control_plane.simulator as simulator
+import control_plane.simulator.processor as simulator
 from control_plane.aggregate import Aggregate
 from control_plane.codec import dump_aggregate
 from control_plane.decide import next_deadline_ms

@@ -1,4 +1,4 @@
-"""The worker's attempt as a state machine (``workers.worker._Attempt``) and its closed vocabularies:
+"""The worker's attempt as a state machine (``workers.attempt.Attempt``) and its closed vocabularies:
 every state reachable and able to end, every stop and failure reported with a wire ``FinishReason``,
 and the wire's finish reason closed but still reading what was recorded before it was closed.
 No broker: nothing here connects (the attempt itself runs in ``tests/integration/test_workers.py``)."""
@@ -13,14 +13,12 @@ import pytest
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, FinishReason, RejectionCode
 from schemas.wire import WireError, decode_command
-from workers.engines.base import FinishReason as EngineFinishReason
-from workers.worker import (
+from workers.attempt import (
     _NEXT_STATES,
+    Attempt,
     AttemptFailure,
     AttemptState,
     StopReason,
-    _Attempt,
-    engine_finish_reason,
     failure_report,
     keeps_result,
     stop_report,
@@ -47,7 +45,7 @@ def test_every_state_is_reachable_from_taken_and_can_reach_a_final_state():
 
 
 def test_a_transition_outside_the_table_fails_loudly():
-    attempt = _Attempt(SimpleNamespace(settings=None), SimpleNamespace(generation_id="gen_x", epoch=1), None)  # type: ignore[arg-type]
+    attempt = Attempt(SimpleNamespace(settings=None), SimpleNamespace(generation_id="gen_x", epoch=1), None)  # type: ignore[arg-type]
     attempt._to(AttemptState.PROMPT_REQUESTED)
     with pytest.raises(AssertionError, match="PROMPT_REQUESTED -> RUNNING"):
         attempt._to(AttemptState.RUNNING)
@@ -74,10 +72,6 @@ def test_every_failure_is_reported_under_its_own_name(failure: AttemptFailure):
     assert finish.value == failure.value
     expected = RejectionCode.GENERATION_TIMEOUT if failure is AttemptFailure.GENERATION_DURATION_MAX else RejectionCode.MODEL_BACKEND_ERROR
     assert code is expected
-
-
-def test_the_engines_finish_reasons_map_onto_the_wire_values_of_the_same_name():
-    assert {r.value: engine_finish_reason(r).value for r in EngineFinishReason} == {r.value: r.value for r in EngineFinishReason}
 
 
 def test_no_result_is_written_for_an_epoch_that_is_no_longer_ours():

@@ -7,7 +7,7 @@ from aiokafka import TopicPartition
 
 from schemas.topics import Topology
 from workers.engines.sim import SimConfig, SimulatedEngine
-from tests.integration.workers_harness import served
+from infra.harness.worker_edge import served
 from workers.settings import WorkerSettings
 from workers.worker import Worker, _OffsetTracker
 
@@ -54,33 +54,42 @@ def test_offsets_are_committed_only_below_the_oldest_unsettled_dispatch():
 class _InstantProducer:
     """Stands in for the producer: accepts every send at once (the decision then comes from the test)."""
 
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes | None]] = []
+
     async def send_and_wait(self, topic, value, key=None, partition=None, headers=None):
+        self.sent.append((topic, key))
         return None
 
 
 async def test_a_decision_wait_cancelled_as_its_answer_arrives_is_still_cancelled():
     """A renewer is cancelled when its attempt ends; if its answer lands in the same loop turn, Python
     3.11's ``asyncio.wait_for`` returned the answer instead and the renewer lived on (the attempt then
-    waited for it forever). ``decide`` must raise ``CancelledError``."""
+    waited for it forever). ``decide`` must raise ``CancelledError``. The worker appends through the
+    command client, which keys the command by its user id."""
     import asyncio
     import uuid
 
     import pytest
 
+    from infra.runtime.command_client import CommandClient
     from schemas import commands as cmd
     from schemas.messages import Outcome, OutcomeKind
 
     w = worker(paid_weight=3, free_min_share=0.2)
-    w.producer = _InstantProducer()  # type: ignore[assignment]
+    producer = _InstantProducer()
+    # As Worker.start() wires it, on the instant producer.
+    w.commands = CommandClient(w.settings.kafka_bootstrap, w.settings.topology, w.control.partition,
+                               inbox_topic=w.control.topic, producer=producer, read_inbox=False)  # type: ignore[arg-type]
     command = cmd.RenewLease(command_id=uuid.uuid4().hex, user_id="u", issued_at_ms=0, generation_id="gen_x",
-                             epoch=1, worker_id="w-unit", reply_to=w.control, output_tokens=0)
+                             epoch=1, worker_id="w-unit", reply_to=w.reply_to(), output_tokens=0)
     task = asyncio.create_task(w.decide(command))
     for _ in range(10):
         await asyncio.sleep(0)
-        if command.command_id in w._decisions:
+        if w.commands.pending:
             break
-    fut = w._decisions[command.command_id]
-    fut.set_result(Outcome(command_id=command.command_id, kind=OutcomeKind.APPLIED))
+    assert producer.sent == [(w.settings.topology.commands.name, b"u")]
+    w.commands.resolve(Outcome(command_id=command.command_id, kind=OutcomeKind.APPLIED))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -129,7 +138,7 @@ async def test_a_freed_slot_is_announced_by_a_heartbeat_at_once_not_at_the_next_
         w.free_slots -= 1  # what the dispatch loop does when it takes a dispatch
         w._capacity_changed.set()
         assert (await next_heartbeat()).free_slots == 0
-        w._free_slot(None)
+        w.free_slot(None)
         assert (await next_heartbeat()).free_slots == 1
         assert len(producer.sent) == 3
     finally:

@@ -13,10 +13,11 @@ from aiokafka import TopicPartition
 from schemas.codes import Tier
 from schemas.messages import DispatchAuthorized
 from schemas.topics import Topology
-from tests.integration.workers_harness import served
+from infra.harness.worker_edge import served
+from workers.attempt import AttemptTrace, StopReason
 from workers.engines.sim import SimConfig, SimulatedEngine
 from workers.settings import WorkerSettings
-from workers.worker import AttemptTrace, StopReason, Worker
+from workers.worker import Worker
 
 ATTEMPTS = 50
 

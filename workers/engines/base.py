@@ -15,17 +15,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
-
-class FinishReason(StrEnum):
-    """How the engine ended a sequence; the worker maps it onto the wire's closed
-    ``schemas.codes.FinishReason`` (``workers.worker.engine_finish_reason``)."""
-
-    STOP = "stop"  # the model ended its answer
-    LENGTH = "length"  # max_output_tokens reached
-    ABORTED = "aborted"  # the engine acknowledged an abort
+from schemas.codes import FinishReason
 
 
 class EngineError(RuntimeError):
@@ -61,6 +53,8 @@ class TextChunk:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
+    # How the engine ended the sequence: STOP, LENGTH or ABORTED only (the wire's own values; the
+    # worker reports the others when it, not the engine, ended the attempt).
     reason: FinishReason
     input_tokens: int
     output_tokens: int

@@ -27,10 +27,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from infra.models.catalog import DEFAULT_CATALOG_PATH, load_catalog
 from infra.models.prompt_framing import FramingError, Render, check_content_tokenizer
 from infra.runtime.settings import DEV_MODE_ENV, SettingsError, env_value
 from infra.models.tokens import llama_chat_render, llama_prompt_ids, llama_special_tokens
-from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, TextChunk
+from schemas.codes import FinishReason
+from workers.engines.base import EngineError, EngineRequest, Finished, TextChunk
 
 CPU_ENGINE_NAME = "cpu"
 CPU_CONTEXT_TOKENS = 2048
@@ -45,8 +47,6 @@ CPU_BATCH_TOKENS = 512
 def cpu_runtime_missing_reason(alias: str = "fast-text-model") -> str | None:
     """Why the cpu engine cannot run ``alias`` of the default catalog here, or None (tests skip on it)."""
     import importlib.util
-
-    from infra.models.catalog import DEFAULT_CATALOG_PATH, load_catalog
 
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed (pip install 'llama-cpp-python==0.3.36', the cpu extra)"

@@ -45,7 +45,8 @@ from typing import Any
 import orjson
 
 from infra.models.prompt_framing import check_content_tokenizer, framed_prompt_ids
-from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, TextChunk
+from schemas.codes import FinishReason
+from workers.engines.base import EngineError, EngineRequest, Finished, TextChunk
 
 log = logging.getLogger("chatplane.workers.sglang")
 

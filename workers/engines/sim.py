@@ -24,7 +24,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from infra.runtime.settings import env_value
-from workers.engines.base import EngineError, EngineRequest, Finished, FinishReason, TextChunk
+from schemas.codes import FinishReason
+from workers.engines.base import EngineError, EngineRequest, Finished, TextChunk
 
 SIM_ENGINE_NAME = "sim"
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra.runtime.settings import setting
+from infra.runtime.settings import kafka_bootstrap_setting, setting
 from schemas.topics import Topology
 
 
 @dataclass(frozen=True)
 class SloSettings:
-    kafka_bootstrap: str = setting("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    kafka_bootstrap: str = kafka_bootstrap_setting()
     topology: Topology = setting("CHATPLANE_NAMESPACE", Topology(""), parse=Topology, expected="a namespace")
     # Most records read from each topic (outcomes, ledger); past it the report stops reading and says
     # it is truncated rather than hold an unbounded window in memory.

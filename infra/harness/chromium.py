@@ -1,4 +1,4 @@
-"""Headless Chromium for the web page's tests: Debian's ``chromium`` driven through ``chromium-driver``
+"""Headless Chromium for the web page's tests and bench/bench_page.py: Debian's ``chromium`` driven through ``chromium-driver``
 by selenium (browser builds cannot be downloaded here; ``.ci/run`` installs both packages).
 
 Each scenario saves a screenshot under ``test-artifacts/`` (``CHATPLANE_TEST_ARTIFACTS`` overrides it).
