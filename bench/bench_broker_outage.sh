@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Broker outage: how many lines the admission processor logs while its Kafka broker is down, and how
-# soon it decides again once the broker is back (issue 13, reconnect storms).
+# soon it decides again once the broker is back (reconnect storms).
 #
 # Starts a private single-node broker (ports 19092/19093, data in a temp dir; the stack's own broker
 # is not touched), creates a namespace's topics, starts `python -m projections` against it, waits

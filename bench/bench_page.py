@@ -1,4 +1,4 @@
-"""The web page's first-token time against the API's, in the same run (issue 17's "Measure"). A script,
+"""The web page's first-token time against the API's, in the same run. A script,
 not a test.
 
     .venv/bin/python bench/bench_page.py            # 30 turns each way

@@ -1,4 +1,4 @@
-"""The resumable-streams benchmark (issue 16): reconnect and replay over HTTP, and what storing the
+"""The resumable-streams benchmark: reconnect and replay over HTTP, and what storing the
 deltas costs. A script, not a test.
 
     .venv/bin/python bench/bench_replay.py                 # 40 reconnects, a 2,000-event replay, cost at 20/s

@@ -1,4 +1,4 @@
-"""The whole-stack benchmark over HTTP (issue 14, item 1): what a user sees, and what it costs.
+"""The whole-stack benchmark over HTTP: what a user sees, and what it costs.
 
     .venv/bin/python bench/bench_stack.py                         # idle 30 s, then 20, 50, 100/s for 30 s each
     .venv/bin/python bench/bench_stack.py --rates 20 --seconds 20 --idle-s 10    # a quick look

@@ -1,4 +1,4 @@
-"""The capacity model (issue 18, item 6; docs/capacity.md): the fleet the seed's load needs, recomputed
+"""The capacity model (docs/capacity.md): the fleet the seed's load needs, recomputed
 from one whole-stack benchmark's figures.
 
     .venv/bin/python bench/bench_stack.py --rates 20,50 --seconds 20 --idle-s 20 --hold-streams 300 --json /tmp/stack.json

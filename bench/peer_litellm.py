@@ -1,6 +1,6 @@
 """LiteLLM's proxy as the peer of bench/bench_stack.py (``--peer litellm``): same load, same machine.
 
-The proxy (``litellm[proxy]==1.106.12``, pinned by issue 14) is installed by this script into its own
+The proxy (``litellm[proxy]==1.106.12``, pinned so runs compare) is installed by this script into its own
 virtual environment (``--peer-venv``, default ``~/.cache/chatplane/litellm-1.106.12``), never into
 chatplane's: it is a yardstick, not a dependency. It runs ``litellm --config`` with one model routed to
 bench/fake_openai.py (a FAKE model server with the ``sim`` engine's timing), a master key and no

@@ -1,4 +1,4 @@
-"""The soak (issue 13): the whole stack under a steady ``sim`` load for 30 minutes, the resident memory
+"""The soak: the whole stack under a steady ``sim`` load for 30 minutes, the resident memory
 of every process sampled each minute; does any process keep growing?
 
     .venv/bin/python bench/soak.py                 # 30 minutes, a sample a minute

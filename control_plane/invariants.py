@@ -1,4 +1,4 @@
-"""The ledger invariants (DESIGN section 4), defined once.
+"""The ledger invariants of the design reference, defined once.
 
 Imported by the unit and property tests, the seeded simulator and the audit tool. Two kinds of check:
 
@@ -26,7 +26,7 @@ from schemas.wire import encode
 
 @dataclass(frozen=True, slots=True)
 class Violation:
-    invariant: int  # the number in DESIGN section 4; 0 for event-id uniqueness
+    invariant: int  # its number in the design's list of invariants; 0 for event-id uniqueness
     message: str
     user_id: str
     event_id: str | None = None

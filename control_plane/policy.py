@@ -1,6 +1,6 @@
 """Admission policy and the models it admits: the configuration ``decide`` is a pure function of.
 
-Every limit is a named value with its unit in the name (DESIGN section 7). The processor builds one
+Every limit is a named, configurable value with its unit in the name. The processor builds one
 ``Policy`` at start-up from settings; the core never reads the environment.
 """
 

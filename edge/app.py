@@ -1,6 +1,6 @@
 """The edge application: FastAPI app factory, its lifespan, and health, readiness and metrics.
 
-Where this sits (DESIGN section 3)::
+Where this sits in the data flow::
 
     client --HTTP/SSE--> edge --SubmitGeneration/CancelGeneration--> COMMANDS --> admission processor
                           ^ <----------- EDGE_INBOX partition of this edge: Outcome, TextDelta,

@@ -1,4 +1,4 @@
-"""The client address a request is limited by, and the per-address burst bucket (issue 19).
+"""The client address a request is limited by, and the per-address burst bucket.
 
 Where this sits: the first thing every authenticated route does (``edge.deps.principal``) is take one
 token from the bucket of the request's client address, before the bearer token is even parsed; an

@@ -2,7 +2,8 @@
 
 Covers the messages (role and content, NFC-normalized), the model alias and ``max_output_tokens``;
 not ``stream``, so a phone retry that switches response mode still identifies the same request. The
-prompt itself never leaves the edge in a command: only this keyed digest does (DESIGN section 2).
+prompt itself never leaves the edge in a command: only this keyed digest does, so the commands and the
+ledger, kept for days and for ever, hold no prompt text.
 """
 
 from __future__ import annotations

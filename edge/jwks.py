@@ -1,4 +1,4 @@
-"""Signing keys from the identity provider's URL (issue 17, part 2), as identity providers publish them.
+"""Signing keys from the identity provider's URL, as identity providers publish them.
 
 ``CHATPLANE_EDGE_JWKS_URL`` names the JWKS; ``CHATPLANE_EDGE_OIDC_DISCOVERY=1`` finds it instead from
 ``<issuer>/.well-known/openid-configuration`` (its ``jwks_uri``; the document's ``issuer`` must be

@@ -1,4 +1,4 @@
-"""OpenAI's chat-completions shapes over the same pipeline (issue 17, part 4): request, chunks, errors.
+"""OpenAI's chat-completions shapes over the same pipeline, for OpenAI's clients: request, chunks, errors.
 
 ``POST /v1/chat/completions`` (edge/routes/openai.py) turns an OpenAI request into the request of
 ``/v1/generations`` and runs the same admission (``routes.generations.admit``): same quota,

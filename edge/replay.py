@@ -1,5 +1,5 @@
 """Resumable streams: ``GET /v1/generations/{id}/events`` replays a generation from durable state, on any
-edge replica, then follows it live to its terminal event (issue 16; docs/edge.md, "Resumable streams").
+edge replica, then follows it live to its terminal event (docs/edge.md, "Resumable streams").
 
 Data flow::
 

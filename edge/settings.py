@@ -1,6 +1,6 @@
 """Settings of the HTTP/SSE edge (``python -m edge``), read from the environment once at start-up.
 
-Every limit is a named value with its unit in the name (DESIGN section 7), read by the shared loader
+Every limit is a named, configurable value with its unit in the name, read by the shared loader
 (``infra.runtime.settings``: typed, checked at start, a bad value is one line naming the
 variable). The edge shares the admission policy's model catalog and output-token ceiling with the
 processor (``policy_from_env``), so it can reject an oversized request before any work, while the

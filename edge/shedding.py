@@ -1,11 +1,11 @@
-"""Shedding (issue 14): refuse a submit at once, typed and retryable, when this edge can already see that
+"""Shedding: refuse a submit at once, typed and retryable, when this edge can already see that
 its decision would come late, instead of queueing it behind the backlog.
 
 The seed's admission objective is a typed decision for 99.95 % of bounded valid requests within
 500 ms, and "a quick 503 satisfies it". Without shedding an overloaded stack queues: each submit's
 command waits behind every earlier one in the processor's partition, and at 2-3x capacity decisions
-took seconds (issue 14's table: 3.5 % within 500 ms at 100/s). Two signals, both read in O(1) on the
-submit path, before anything is sent or counted against the user:
+took seconds (the whole-stack benchmark: 3.5 % within 500 ms at 100/s). Two signals, both read in
+O(1) on the submit path, before anything is sent or counted against the user:
 
 - **late decisions**: the oldest decision this edge still awaits (``CommandClient``) has waited more
   than ``CHATPLANE_EDGE_SHED_DECISION_AGE_MS``: the processor's partitions are behind, and a new

@@ -31,7 +31,7 @@ TERMINAL_EVENTS = frozenset({COMPLETED, CANCELLED, ERROR})
 
 def frame(event: str, data: dict[str, Any]) -> bytes:
     """One SSE event; a generation's events carry ``id: <sequence>`` (the resume point of
-    ``Last-Event-ID``, issue 16): the ``sequence`` of their data."""
+    ``Last-Event-ID``): the ``sequence`` of their data."""
     sequence = data.get("sequence")
     head = b"id: %d\n" % sequence if isinstance(sequence, int) else b""
     return head + b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"

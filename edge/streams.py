@@ -258,7 +258,7 @@ class StreamHub:
             self.metrics.queue_age.observe(now - stream.admitted_s)
         self._collect(stream, d.text)
         if stream.streaming:
-            # The worker's sequence is the event id: every edge replays the same ids (issue 16).
+            # The worker's sequence is the event id, so a stream resumed on any edge replays the same ids.
             frame = stream.framer.delta(stream.generation_id, d.sequence, d.index, d.text)
             limit = self._over_limit(stream, len(frame))
             if limit is not None:

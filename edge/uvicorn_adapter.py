@@ -4,7 +4,7 @@ Where this sits: ``python -m edge`` (``edge.__main__.uvicorn_config``) hands ``b
 to ``uvicorn.Config(http=...)``; uvicorn builds one instance per accepted TCP connection, and the
 instance parses requests with h11 and runs the FastAPI app (``edge.app``) for each.
 
-What uvicorn 0.54 does, and why the edge extends it (issue 13, "slow request heads are never dropped"):
+What uvicorn 0.54 does, and why the edge extends it (slow request heads were never dropped):
 
 - **No bound on reading a request head.** ``H11Protocol`` arms a timer only after a response
   (``timeout_keep_alive``, on an idle kept-alive connection) and cancels it at the next byte. A client

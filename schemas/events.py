@@ -243,7 +243,7 @@ class GenerationCompleted(_EventBase):
     finish_reason: FinishReason
     result_expires_at_ms: int
     # The terminal event's sequence (its SSE id, after the last text delta): fixed here, with the
-    # terminal state, so every edge replays the same ids (issue 16). Added within version 1; 0 (the
+    # terminal state, so every edge replays the same ids. Added within version 1; 0 (the
     # default, and a terminal no worker reported) means "after the last stored delta".
     sequence: int = 0
     # The worker's ``ReportAttemptFinished.result_stored``: False means its result sink still held

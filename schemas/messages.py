@@ -18,8 +18,8 @@
 - ``PromptPublished``: edge -> ``prompts.<pool>``, the same content published beside the submit,
   keyed by the generation id a new key's submit will have (``generation_id_for``), so it lands in
   the partition its dispatch will: the worker holding that dispatch partition has usually read it
-  before the dispatch arrives and skips the request above (one hop pair off the first-token path,
-  issue 14). A worker that does not find it in time asks the edge as above (a same-key retry of a
+  before the dispatch arrives and skips the request above (one hop pair off the first-token path).
+  A worker that does not find it in time asks the edge as above (a same-key retry of a
   retryable key, whose generation id the edge cannot know in advance, always does).
 """
 

@@ -3,7 +3,7 @@
 Changelog, consumer-group and table names derive from these, so they are schema: change one and the
 old data is orphaned. Nothing else in the project spells a topic or table name as a string.
 
-Data flow (DESIGN section 2)::
+Data flow::
 
     edge, workers, timers --COMMANDS(user_id)--> admission processor --LEDGER(user_id)--> read models, audit
                                                         |--DISPATCH.<pool>.<tier>(generation_id)--> workers

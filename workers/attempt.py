@@ -76,7 +76,7 @@ def now_ms() -> int:
 
 
 class ResultSink(Protocol):
-    """Where the final text of an attempt goes before the worker reports completion (issue 7: Cassandra)."""
+    """Where the final text of an attempt goes before the worker reports completion (the result store)."""
 
     async def put(self, generation_id: str, epoch: int, text: str, usage: tuple[int, int]) -> bool | None:
         """True: stored; False: not stored yet (held for a later write); None: never stored here

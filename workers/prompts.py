@@ -2,7 +2,7 @@
 
 Before this, a worker that took a dispatch asked the edge for the prompt (``PromptRequest`` to the
 edge inbox, ``PromptPayload`` back on worker control) and only then asked the processor for
-acceptance: two Kafka hops on every first token (issue 14, item 3). Now each edge also publishes
+acceptance: two Kafka hops on every first token. Now each edge also publishes
 the prompt (``PromptPublished``) on ``prompts.<pool>`` as it appends the submit, keyed by the
 generation id a new key's submit gets (``control_plane.ids.generation_id_for``). That topic has
 the dispatch topics' partition count and the same key, so the prompt lands in the partition number

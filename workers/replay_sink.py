@@ -1,5 +1,5 @@
 """The worker's replay sink: every text delta is stored (``infra.stores.replay``) before it is
-sent to the edge, so any edge can replay a generation from durable state (issue 16; docs/edge.md,
+sent to the edge, so any edge can replay a generation from durable state (docs/edge.md,
 "Resumable streams").
 
     Worker._send_delta --put(generation, epoch, seq, text)--> generation_events   (write-ahead)

@@ -1,4 +1,4 @@
-"""What a worker tells the edges about its work, beyond counts (issue 14, item 5; seed section 7).
+"""What a worker tells the edges about its work, beyond counts (seed section 7).
 
 The seed: "Estimate work from input tokens, the maximum output budget, active sequences, queue age,
 KV-cache pressure, model compatibility, and measured service times. A short prompt and a

@@ -1,6 +1,6 @@
 """The inference worker: takes dispatches of one model pool, owns attempts, runs an engine, reports usage.
 
-Where it sits in the data flow (DESIGN sections 3 and 6)::
+Where it sits in the data flow::
 
     dispatch.<pool>.paid / .free --(consumer group <ns>.chatplane-workers.<pool>, pull-based)--> Worker
     Worker --PromptRequest--> edge inbox (dispatch.stream_to)   edge --PromptPayload--> worker-control

@@ -1,4 +1,4 @@
-"""The web chat page and what it needs besides the API (issue 17, part 1).
+"""The web chat page and what it needs besides the API.
 
 - ``GET /`` is the page; its scripts and styles are static files of the package (``edge/ui/``,
   served under ``/ui/``; plain JavaScript modules, no build step). The page's Content-Security-Policy

@@ -1,4 +1,4 @@
-"""``GET /v1/usage``: the caller's quota, burst bucket and concurrency (issue 17, part 3).
+"""``GET /v1/usage``: the caller's quota, burst bucket and concurrency.
 
 The quota and concurrency figures are the processor's own state, not a projection: the edge sends a
 ``QueryUsage`` command on the caller's partition and the processor answers from the user's ledger

@@ -1,4 +1,4 @@
-// chatplane's web chat page (issue 17). Plain JavaScript modules; docs/edge.md, "The web page".
+// chatplane's web chat page. Plain JavaScript modules; docs/edge.md, "The web page".
 //
 // One turn, as the seed's client rules say:
 // - a new message gets a fresh Idempotency-Key; a request that got no response at all is sent again

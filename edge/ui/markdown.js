@@ -1,4 +1,4 @@
-// Safe Markdown for model answers (issue 17): a small subset rendered as DOM nodes.
+// Safe Markdown for model answers: a small subset rendered as DOM nodes.
 //
 // No string of the answer ever reaches innerHTML: every piece of text becomes a Text node, and the
 // only elements are the ones built here (p, h1-h4, ul/ol/li, pre/code, blockquote, strong, em, code,

@@ -1,4 +1,4 @@
-// The page's server-sent-event reader (issue 17): a POST stream read with fetch and a streaming
+// The page's server-sent-event reader: a POST stream read with fetch and a streaming
 // reader (EventSource cannot send a body or a bearer header).
 //
 // Bytes arrive in arbitrary pieces: an event may span many reads and a UTF-8 character may be split

@@ -1,4 +1,4 @@
-"""Policy checks at their boundaries (seed section 3; issue 19): a prompt check before admission at the
+"""Policy checks at their boundaries (seed section 3): a prompt check before admission at the
 edge, an output check between decode steps in the worker. docs/policy.md says how they are used.
 
 Where this sits::

@@ -5,7 +5,7 @@ the read-model writer, the workers and ``infra/`` create takes ``**kafka_client_
 processor's faust consumer and producer get the same value through
 ``projections.ledger.faust_adapter.use_kafka_client_settings`` (faust passes no retry setting to aiokafka).
 
-Why (issue 13): while a broker is down, aiokafka 0.14 has no reconnect backoff (there is no
+Why: while a broker is down, aiokafka 0.14 has no reconnect backoff (there is no
 ``reconnect_backoff_ms``, unlike the Java client). Each failed connection makes the client refresh
 its metadata at once (``AIOKafkaClient._get_conn`` -> ``force_metadata_update``), and the loops that
 hit the dead node (fetcher, group coordinator lookup, heartbeat, producer sender, coordinator
@@ -34,7 +34,7 @@ def kafka_client_kwargs() -> dict[str, int]:
 
 
 # Compression of every record batch our producers write (CHATPLANE_KAFKA_COMPRESSION: none, gzip,
-# lz4, zstd or snappy; lz4, zstd and snappy through cramjam, a dependency). Issue 14: the processor's
+# lz4, zstd or snappy; lz4, zstd and snappy through cramjam, a dependency). Why: the processor's
 # changelog value for a user repeats the same JSON keys and near-identical remembered decisions; a
 # 6.2 KiB hot value is 0.7 KiB in lz4 (0.5 KiB in zstd). Brokers keep the producer's codec
 # (topics' compression.type=producer) and consumers decompress whatever they read.

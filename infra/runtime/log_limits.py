@@ -1,7 +1,7 @@
 """A bound on repeated log lines, installed by every process entry point.
 
 When Kafka or Cassandra is unreachable, the client libraries log the same error line on every retry
-(issue 13: a 10-second broker restart wrote tens of thousands of lines to the processor's log). The
+(a 10-second broker restart wrote tens of thousands of lines to the processor's log). The
 retries themselves are paced by ``infra.runtime.kafka_settings``; this filter bounds what they
 write. Per (logger, message template) it lets the first ``LOG_REPEATS_PER_INTERVAL_MAX`` records of
 each ``LOG_REPEAT_INTERVAL_S`` window through, drops the rest of that window, and writes one summary

@@ -1,6 +1,6 @@
 """glibc malloc settings for the long-running processes (processor, read model, workers, edge).
 
-The soak (bench/soak.py, issue 13) saw the edge's, the processor's and the worker's RSS grow 5-9 %
+The soak (bench/soak.py) saw the edge's, the processor's and the worker's RSS grow 5-9 %
 between minute 5 and minute 30 while tracemalloc (``CHATPLANE_MEMTRACE_DIR``) showed the memory
 Python holds flat after its bounded caches filled (the edge: 109.7 -> 110.6 MiB traced over 8 minutes
 while its RSS rose ~30 MiB): memory freed back to malloc but not to the system. glibc gives every

@@ -1,4 +1,4 @@
-"""Where a process's memory goes, for the soak (issue 13): tracemalloc snapshots written on a timer.
+"""Where a process's memory goes, for the soak (bench/soak.py): tracemalloc snapshots written on a timer.
 
 Off unless ``CHATPLANE_MEMTRACE_DIR`` names a directory: then the process starts ``tracemalloc``
 (``CHATPLANE_MEMTRACE_FRAMES`` frames per allocation, default 8) and a daemon thread writes one

@@ -1,4 +1,4 @@
-"""Traces across the log (issue 18): one OpenTelemetry trace per generation, off by default.
+"""Traces across the log: one OpenTelemetry trace per generation, off by default.
 
 Where this sits: every process that touches a generation calls the hooks below at one or two
 lines per site; the trace context travels between processes only in Kafka record headers (W3C

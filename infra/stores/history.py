@@ -1,5 +1,5 @@
 """The conversation history store: messages, conversation metadata, the sidebar index and the user-turn
-spool, in Cassandra (DESIGN sections 5 and 9; docs/conversations.md, Storage).
+spool, in Cassandra (docs/conversations.md, Storage).
 
 Data flow::
 

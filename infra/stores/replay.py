@@ -1,4 +1,4 @@
-"""The replay store: every text delta of a generation, by sequence, for resumable streams (issue 16).
+"""The replay store: every text delta of a generation, by sequence, for resumable streams.
 
 Data flow::
 

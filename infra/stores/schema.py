@@ -1,6 +1,6 @@
 """The Cassandra read models' schema, settings and connection, shared by their writers and readers.
 
-Data flow (DESIGN section 5)::
+Data flow::
 
     LEDGER --projections.readmodel--> generations_by_id      (status and usage by id, revision = offset)
     worker --infra.stores.results----> results_by_generation  (final text, USING TTL)
@@ -83,7 +83,7 @@ class ReadModelSettings:
     # Command ids the projection remembers to skip a redelivering processor's re-sends (writer.py).
     seen_commands_max: int = setting("CHATPLANE_READMODEL_SEEN_COMMANDS_MAX", 100_000, ge=1)
     # After a poll that found entries, the projection waits this long and polls again before writing,
-    # so that more of one generation's events fold into one UPDATE (issue 14: Cassandra's CPU per
+    # so that more of one generation's events fold into one UPDATE (less Cassandra CPU per
     # generation). It adds as much to the read model's lag; 0 writes what each poll found.
     batch_linger_ms: int = setting("CHATPLANE_READMODEL_BATCH_LINGER_MS", 100, ge=0, le=5_000)
     # A process's one Cassandra session (infra/stores/session.py) opens on first use; after a failed

@@ -247,7 +247,7 @@ def use_kafka_client_settings(app: faust.App) -> None:
     broker URL's scheme) builds the consumer in ``AIOKafkaConsumerThread._create_consumer`` and the
     producer from ``Producer._settings_default``, each from faust's own settings; no faust setting
     maps to aiokafka's ``retry_backoff_ms``, so they retried an unreachable broker every 100 ms
-    (aiokafka's default), each try logging one or two lines (issue 13).
+    (aiokafka's default), each try logging one or two lines: a broker restart flooded the log.
 
     Why we bypass it: that pause is the only pacing of aiokafka 0.14's reconnects (it has no
     ``reconnect_backoff_ms``), see ``infra.runtime.kafka_settings``.

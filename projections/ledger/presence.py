@@ -5,7 +5,7 @@ Each processor reads that topic from its end (``PresenceReader``, run by ``Prese
 is *lost* when nothing was heard from it for its lease: ``max(lease_ms, 3 * its interval)``. The
 processor's timer (timer.py) then detaches every generation of its partitions that the lost edge was reading
 (``DetachReader``, reason ``edge_lost``); a generation nobody reattaches to within the grace is
-cancelled by the core at its deadline, and its worker stops (issue 13: orphan work after an edge dies).
+cancelled by the core at its deadline, and its worker stops: no work is orphaned when an edge dies.
 
 Judging silence needs a log that flows: while this reader gets no fetch responses (a broker
 restart, a stalled event loop) nobody is judged, and once responses come again every edge gets a

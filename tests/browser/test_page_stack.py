@@ -1,4 +1,4 @@
-"""The web page in headless Chromium against the real stack (issue 17's browser scenarios).
+"""The web page in headless Chromium against the real stack (the page's browser scenarios).
 
 The real processor, ``python -m projections.readmodel``, the history writer, a ``python -m workers
 --engine sim`` worker (the one fake: no GPU; it stores its deltas for replay) and ``python -m edge`` in

@@ -1,4 +1,4 @@
-"""The seeded chaos run (issue 13): the whole stack under a steady mixed load and a schedule of faults,
+"""The seeded chaos run: the whole stack under a steady mixed load and a schedule of faults,
 ending in an audit of everything the clients saw against the ledger.
 
     python -m tests.chaos.chaos --seed 7 --duration-s 600          # the 10-minute local run

@@ -1,4 +1,4 @@
-"""The chaos run's CI variant (issue 13): every fault kind once, about two and a half minutes of load.
+"""The chaos run's CI variant: every fault kind once, about two and a half minutes of load.
 
 The whole run is ``python -m tests.chaos.chaos`` (tests/chaos/chaos.py says what it starts, injects
 and checks); here it runs one round of faults on its own private Kafka broker and Cassandra node, so

@@ -1,4 +1,4 @@
-"""Admission beyond message counts, the edge/worker half (issue 19): the per-address bucket before
+"""Admission beyond message counts, the edge/worker half: the per-address bucket before
 authentication (must-show 4) and the policy checks at their two boundaries.
 
 Real parts only: ``python -m edge`` subprocesses, the real processor, a ``python -m workers --engine sim``

@@ -1,7 +1,7 @@
 """Capacity admission against a real worker with one slot: a request sent right after the previous
 one completed is admitted (the worker announces its freed slot before the generation's end reaches
 the client), and a request sent while the only slot is busy with work that outlasts the queue budget
-is ``capacity_exhausted``. The worker's heartbeats report the rates it measured (issue 14, item 5).
+is ``capacity_exhausted``. The worker's heartbeats report the rates it measured.
 
 ``python -m workers --engine sim`` with ``CHATPLANE_WORKER_SLOTS=1``, heartbeats every 1 s (longer
 than nothing, shorter than a generation here, so the edge has seen "0 free" while each one ran), the

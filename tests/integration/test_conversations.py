@@ -1,4 +1,4 @@
-"""Conversations end to end (issue 15's must-shows), on real Kafka and Cassandra with chatplane's own processes.
+"""Conversations end to end, on real Kafka and Cassandra with chatplane's own processes.
 
 The stack of each test: the admission processor (``python -m projections``), a worker process with
 the simulator engine (``python -m workers --engine sim``: the one fake, for the GPU), the history

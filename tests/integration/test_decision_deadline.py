@@ -1,4 +1,4 @@
-"""A 503 never charges (issue 13): a submit the processor reads after its decision deadline holds nothing.
+"""A 503 never charges: a submit the processor reads after its decision deadline holds nothing.
 
 The edge gives every submit a decision deadline (``decide_by_ms``) a clock-skew margin before it stops
 waiting and answers 503 ``quota_service_unavailable``; the processor stamps when it read the command

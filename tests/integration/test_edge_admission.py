@@ -1,4 +1,4 @@
-"""Admission health against the real processor (issue 13: "up" before it can decide).
+"""Admission health against the real processor (never "up" before it can decide).
 
 An edge started before the processor is ready (``/readyz`` 200) but cannot decide:
 ``/healthz/admission`` answers 503, a submit gets the typed 503 and GET still answers. Once the real

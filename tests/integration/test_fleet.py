@@ -1,4 +1,4 @@
-"""More than one of everything, on one machine (issue 18): the fleet's shape in miniature.
+"""More than one of everything, on one machine: the fleet's shape in miniature.
 
 Two admission processors (``python -m projections``, instances ``pa`` and ``pb`` of one consumer
 group, splitting the user partitions), two ``python -m workers --engine sim`` workers (the one fake:

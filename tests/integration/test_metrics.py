@@ -1,4 +1,4 @@
-"""Metrics from every process (issue 18's must-show): each process's ``/metrics`` scraped before and
+"""Metrics from every process: each process's ``/metrics`` scraped before and
 after one completed and one cancelled generation, and the specific series moved.
 
 The real processor, ``python -m workers --engine sim`` (the one fake: no GPU) with the Cassandra

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoint with the official ``openai`` client (issue 17, part 4): a real edge,
+"""The OpenAI-compatible endpoint with the official ``openai`` client: a real edge,
 the real processor, a real ``workers`` sim worker (or the edge harness's fake where a test needs
 exact tokens), over HTTP.
 

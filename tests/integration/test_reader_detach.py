@@ -1,4 +1,4 @@
-"""Orphan work after an edge dies (issue 13): kill -9 the edge mid-stream; the processor hears its
+"""Orphan work after an edge dies: kill -9 the edge mid-stream; the processor hears its
 liveness lease lapse, detaches the generation it was reading, cancels it at the end of the grace,
 and the worker's engine stops. A generation read by an edge that stays alive is left alone.
 

@@ -1,4 +1,4 @@
-"""Must-show 1 of issue 7 through the HTTP edge, with the real worker process writing the result store.
+"""A retry and a GET answered from the result store through the HTTP edge, the real worker writing it.
 
 ``python -m workers --engine sim`` (its default Cassandra result sink, on a fresh keyspace) completes a
 non-streaming request; ``python -m projections.readmodel`` projects the ledger. A *second* edge (no

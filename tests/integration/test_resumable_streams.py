@@ -1,4 +1,4 @@
-"""Resumable streams (issue 16's must-shows): replay from durable state on any edge, background
+"""Resumable streams: replay from durable state on any edge, background
 generations, reconnect within the grace, a slow replayer cut off.
 
 The real processor, a ``python -m workers --engine sim`` worker storing its deltas (the one fake: no

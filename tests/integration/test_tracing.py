@@ -1,4 +1,4 @@
-"""Issue 18: one connected trace per generation across the log, ids only.
+"""One connected trace per generation across the log, ids only.
 
 The edge (uvicorn, in this process), the real worker with the sim engine (in this process) and the
 read-model projection (in this process) export to one ``InMemorySpanExporter``; the admission

@@ -1,6 +1,6 @@
 """Workers on the real broker and the real processor (``python -m projections``), with the ``sim`` engine.
 
-Must-show of issue 6: acceptance racing cancel, cancel while running (tokens after the stop, slot
+What workers must show: acceptance racing cancel, cancel while running (tokens after the stop, slot
 freed after the acknowledgement), kill -9 mid-stream (model_backend_error, partial, no second
 attempt, lease fencing; also through the real HTTP edge to the SSE client), and a late report from a
 fenced epoch dropped and recorded.
@@ -95,7 +95,7 @@ async def test_a_generation_streams_from_the_sim_worker_with_usage_heartbeats_an
 
 
 async def test_a_prompt_published_beside_the_submit_spares_the_round_trip_to_the_edge(kafka_bootstrap, topology, edge):
-    """Issue 14, item 3: the worker reads the prompt from prompts.<pool> (workers/prompts.py) and asks
+    """The worker reads the prompt from prompts.<pool> (workers/prompts.py) and asks
     the edge only for one it did not find there."""
     # The prompt is on the topic before the submit is sent; a wait of 500 ms (25 by default) keeps a
     # loaded CI machine's scheduling out of what this test checks.
@@ -404,7 +404,7 @@ async def test_chunks_that_come_while_a_delta_is_in_flight_share_the_next_delta(
 
 
 async def test_the_worker_keeps_no_trace_per_attempt_beyond_its_bound(kafka_bootstrap, topology, edge):
-    """Issue 13: one AttemptTrace per attempt, kept forever, grew without end; ``Worker.traces`` keeps
+    """One AttemptTrace per attempt, kept forever, once grew without end; ``Worker.traces`` keeps
     at most ``attempt_traces_max`` (0, none, in ``python -m workers``) while every attempt completes
     and ``on_trace`` still sees each one."""
     generations = 6

@@ -1,4 +1,4 @@
-"""Capacity by work, not by count (issue 14, item 5): the edge's queue-wait estimate from the work
+"""Capacity by work, not by count: the edge's queue-wait estimate from the work
 workers report (edge/capacity.py), and the worker's own measurement of it (workers/work.py)."""
 
 from __future__ import annotations

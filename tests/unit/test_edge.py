@@ -100,7 +100,7 @@ def assert_typed(resp: httpx.Response, code: RejectionCode) -> dict:
         ({**BODY, "model": "no-such-model"}, "model"),
         ({**BODY, "extra": 1}, "extra"),
         ({k: v for k, v in BODY.items() if k != "messages"}, "messages"),
-        # Strict parsing (issue 13): a value of the wrong JSON type is refused, never converted.
+        # Strict parsing: a value of the wrong JSON type is refused, never converted.
         ({**BODY, "stream": "yes"}, "stream"),
         ({**BODY, "stream": 1}, "stream"),
         ({**BODY, "max_output_tokens": "16"}, "max_output_tokens"),
@@ -327,7 +327,7 @@ async def test_draining_edge_refuses_new_work_and_fails_readiness():
     assert fake.commands == []
 
 
-# --- shedding (issue 14) --------------------------------------------------------------------------
+# --- shedding -------------------------------------------------------------------------------------
 
 
 async def test_late_decisions_shed_a_submit_at_once_without_a_command_or_a_burst_token():
@@ -415,7 +415,7 @@ async def test_a_late_event_loop_sheds_as_capacity_exhausted_and_zero_turns_a_si
     await off.stop()
 
 
-# --- admission health (issue 13: "up" before it can decide) ---------------------------------------
+# --- admission health: never "up" before it can decide --------------------------------------------
 
 
 async def test_admission_down_is_a_503_on_its_own_endpoint_while_readyz_stays_200():
@@ -706,7 +706,7 @@ async def test_hub_heartbeats_while_idle_and_releases_on_disconnect():
     assert "g1" not in hub.streams
 
 
-# --- issue 13: nothing per generation outlives it without a bound -----------------------------------
+# --- nothing per generation outlives it without a bound -------------------------------------------
 
 
 async def test_a_stream_whose_client_left_before_the_headers_is_still_released():
@@ -767,7 +767,7 @@ async def test_retained_results_are_bounded_in_count_and_dropped_once_expired(mo
     assert list(hub.retention.entries) == ["g5"] and hub.retention.bytes_held == result_retention.RESULT_ENTRY_OVERHEAD_BYTES
 
 
-# --- issue 5 checklist: codes, Retry-After, tokenizer, metrics, result bytes ----------------------
+# --- the edge's checklist: codes, Retry-After, tokenizer, metrics, result bytes -------------------
 
 
 async def test_model_not_allowed_for_the_tier_is_403_before_any_work():

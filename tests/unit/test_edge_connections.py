@@ -2,7 +2,7 @@
 built by ``edge.__main__.uvicorn_config`` (the lifespan off, so no Kafka client starts; ``/healthz``
 answers without one).
 
-Issue 13, "slow request heads are never dropped": a client that sent half a request head kept its
+Slow request heads were never dropped: a client that sent half a request head kept its
 socket for ever, and nothing bounded the open connections. Each test polls the socket with a bound
 well above the setting and checks that the server closed it, never how fast.
 """

@@ -1,4 +1,4 @@
-"""A zombie is dead (issue 13): a component that was killed but not yet reaped by its parent still
+"""A zombie is dead: a component that was killed but not yet reaped by its parent still
 answers ``kill -0``; ``infra/component-start`` must start it again, ``infra/component-stop`` must not
 wait out its grace for it, and ``make status`` (``infra/stack.py status``) must report it dead.
 

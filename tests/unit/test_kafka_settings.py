@@ -1,7 +1,7 @@
 """Every Kafka client of ours paces its retries the same way (``infra.runtime.kafka_settings``).
 
 aiokafka 0.14 reconnects to a dead broker as often as its callers retry, and they wait
-``retry_backoff_ms`` between tries (issue 13: a broker restart wrote tens of thousands of lines).
+``retry_backoff_ms`` between tries (a broker restart wrote tens of thousands of lines).
 Checked three ways, without a broker: every client constructor in the product passes
 ``**kafka_client_kwargs()`` (an ``ast`` walk, so a new client cannot forget it); those keyword
 arguments reach the clients aiokafka builds (producer, consumer, admin: their sender, fetcher,

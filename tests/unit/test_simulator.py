@@ -167,7 +167,7 @@ def test_a_processor_that_does_not_read_its_stamps_back_after_a_crash_is_caught(
 
 
 def test_the_core_that_forgot_keys_within_retention_at_the_bound_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Issue 13: at the records bound the old core purged the oldest settled record, however young, to
+    # At the records bound the old core purged the oldest settled record, however young, to
     # admit a new key; a same-key retry of it was then admitted and charged again.
     def decide_purging_the_oldest(state, command, policy):
         full = len(state.requests) >= policy.dedup_records_per_user_max

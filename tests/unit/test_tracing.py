@@ -1,5 +1,5 @@
 """infra/runtime/tracing.py: off costs nothing and adds no header; on, the context goes through
-Kafka headers and spans carry ids only (issue 18). The whole-stack trace is tests/integration/test_tracing.py."""
+Kafka headers and spans carry ids only. The whole-stack trace is tests/integration/test_tracing.py."""
 
 from __future__ import annotations
 

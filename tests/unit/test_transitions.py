@@ -431,7 +431,7 @@ def test_a_past_window_is_retained_while_a_reservation_references_it_then_retire
 
 def test_settled_reservations_leave_the_state_and_are_counted_in_their_window():
     # The hot value is rewritten on every command: before this, each consumed or released
-    # reservation stayed in it until its window retired (the processor's soak growth, issue 13).
+    # reservation stayed in it until its window retired (the processor's soak growth).
     L = Ledger()
     for i in range(30):
         g = running(L, key=f"c{i}")
@@ -492,7 +492,7 @@ def completed(L: Ledger, key: str) -> str:
 
 
 def test_a_full_record_table_never_forgets_a_key_within_its_retention():
-    # Issue 13: at the bound the oldest settled record used to be purged to make room, so a same-key
+    # At the bound the oldest settled record used to be purged to make room, so a same-key
     # retry of a completed request (well within its 24 h) was admitted and charged again.
     L = Ledger(policy=Policy(dedup_records_per_user_max=3))
     oldest = completed(L, "a")

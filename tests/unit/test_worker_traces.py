@@ -1,4 +1,4 @@
-"""The worker's per-attempt memory is bounded (issue 13): ``Worker.traces`` keeps at most
+"""The worker's per-attempt memory is bounded: ``Worker.traces`` keeps at most
 ``attempt_traces_max`` AttemptTraces (none by default, as in ``python -m workers``), while ``on_trace``
 still sees every attempt. No broker: each dispatch is one the control partition already stopped, so
 the real ``Worker._handle`` gives it up without any I/O."""

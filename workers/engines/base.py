@@ -5,7 +5,7 @@ Data flow: ``workers.worker`` owns Kafka and the attempt's lifecycle; an ``Engin
 edge) into a ``Generation``: an async iterator of ``TextChunk`` (incremental text) that always ends
 with exactly one ``Finished`` (reason and actual usage). ``Generation.abort()`` asks the engine to stop;
 the stop is *acknowledged* by the ``Finished(reason=ABORTED)`` item that iteration then yields, and
-the worker frees the slot only after that item (DESIGN section 6).
+the worker frees the slot only after that item: until then the engine may still be computing.
 
 Engines: ``sim`` (``workers.engines.sim``, a simulator), ``cpu`` (``workers.engines.cpu``, llama.cpp
 running SmolLM2-135M-Instruct), ``sglang`` (``workers.engines.sglang``, GPU).
