@@ -1,6 +1,6 @@
 """Benchmark the HTTP/SSE edge with the whole stack on this machine (a script that prints figures).
 
-    .venv/bin/python bench/bench_edge.py [--only admission|streams|deltas] [--bootstrap 127.0.0.1:9092]
+    .venv/bin/python bench/bench_edge.py [--only admission|streams|deltas] [--bootstrap HOST:PORT]
         [--rate 200] [--seconds 15] [--streams 10000] [--hold-s 35] [--delta-streams 200]
         [--delta-rate 20000] [--delta-seconds 10]
 
@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # noqa: E402
 
+from infra.runtime.settings import kafka_bootstrap  # noqa: E402
 from infra.runtime.command_client import CommandClient  # noqa: E402
 from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
 from schemas.codes import Tier  # noqa: E402
@@ -434,7 +435,7 @@ async def kafka_floor(bootstrap: str, topology: Topology, rate: float, seconds: 
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=["admission", "streams", "deltas"])
-    p.add_argument("--bootstrap", default=os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    p.add_argument("--bootstrap", default=kafka_bootstrap())
     p.add_argument("--rate", type=float, default=200)
     p.add_argument("--seconds", type=float, default=15)
     p.add_argument("--streams", type=int, default=10_000)

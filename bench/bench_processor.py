@@ -1,6 +1,6 @@
 """Benchmark the admission processor on the real broker (a script that prints figures, not a test).
 
-    .venv/bin/python bench/bench_processor.py [--bootstrap 127.0.0.1:9092] [--commands 20000]
+    .venv/bin/python bench/bench_processor.py [--bootstrap HOST:PORT] [--commands 20000]
         [--rate 500] [--latency-seconds 20] [--recovery-users 100000]
 
 1. Throughput: a realistic mix (submit, accept, renew, report, some cancels and same-key retries) for
@@ -30,6 +30,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from infra.runtime.settings import kafka_bootstrap  # noqa: E402
 from control_plane.ids import generation_id_for  # noqa: E402
 from infra.runtime.command_client import CommandClient  # noqa: E402
 from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
@@ -299,7 +300,7 @@ async def recovery(bootstrap: str, users: int, tmp: Path) -> None:
 
 async def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--bootstrap", default="127.0.0.1:9092")
+    parser.add_argument("--bootstrap", default=kafka_bootstrap())
     parser.add_argument("--commands", type=int, default=20_000)
     parser.add_argument("--rate", type=float, default=500.0)
     parser.add_argument("--latency-seconds", type=float, default=20.0)

@@ -1,6 +1,6 @@
 """Benchmark the Cassandra read models on the real broker and Cassandra (a script that prints figures).
 
-    .venv/bin/python bench/bench_readmodel.py [--bootstrap 127.0.0.1:9092] [--cassandra-hosts 127.0.0.1]
+    .venv/bin/python bench/bench_readmodel.py [--bootstrap HOST:PORT] [--cassandra-hosts 127.0.0.1]
         [--generations 5000] [--rate 1000] [--rate-seconds 20] [--get-rates 100,250,500] [--get-seconds 10]
         [--only throughput,lag,get]
 
@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from aiokafka import AIOKafkaProducer, TopicPartition  # noqa: E402
 from aiokafka.admin import AIOKafkaAdminClient  # noqa: E402
 
+from infra.runtime.settings import kafka_bootstrap  # noqa: E402
 from infra.stores.cassandra import execute  # noqa: E402
 from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
 from infra.stores.queries import GenerationReader  # noqa: E402
@@ -487,7 +488,7 @@ async def bench_get(bootstrap: str, topology: Topology, settings: ReadModelSetti
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--bootstrap", default=os.environ.get("CHATPLANE_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    ap.add_argument("--bootstrap", default=kafka_bootstrap())
     ap.add_argument("--cassandra-hosts", default=os.environ.get("CHATPLANE_CASSANDRA_HOSTS", "127.0.0.1"))
     ap.add_argument("--cassandra-port", type=int, default=int(os.environ.get("CHATPLANE_CASSANDRA_PORT", "9042")))
     ap.add_argument("--generations", type=int, default=5_000)

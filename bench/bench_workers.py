@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from infra.runtime.settings import kafka_bootstrap  # noqa: E402
 from infra.runtime.command_client import CommandClient  # noqa: E402
 from infra.runtime.kafka_admin import delete_topics, deployment_topics, ensure_topics  # noqa: E402
 from schemas.codes import RequestStatus  # noqa: E402
@@ -248,7 +249,7 @@ async def cpu_speed(bootstrap: str, topo: Topology, edge: TestEdge, runs: int) -
 
 async def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bootstrap", default="127.0.0.1:9092")
+    ap.add_argument("--bootstrap", default=kafka_bootstrap())
     ap.add_argument("--concurrency", type=int, default=100)
     ap.add_argument("--cancels", type=int, default=30)
     ap.add_argument("--cpu-runs", type=int, default=5)

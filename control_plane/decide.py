@@ -662,7 +662,9 @@ def _commit_answer(state: UserLedger, c: CommitAnswer, out: _Emitter) -> Decisio
         # meanwhile (its retention runs from its end, and the writer may come back much later).
         if c.epoch != conversation.pending_epoch:
             return out.decision(OutcomeKind.EXISTING, conversation_id=c.conversation_id)
-        _emit_commit(conversation, c.generation_id, c.epoch, conversation.pending_status, c.conversation_id, out, spooled=True)
+        _emit_commit(
+            conversation, c.generation_id, c.epoch, AnswerStatus(conversation.pending_status), c.conversation_id, out, spooled=True
+        )
         return out.decision(
             OutcomeKind.APPLIED, generation_id=c.generation_id, conversation_id=c.conversation_id, revision=conversation.turn_revision + 1
         )
@@ -679,7 +681,8 @@ def _answer_status(status: RequestStatus) -> AnswerStatus:
 
 
 def _emit_commit(
-    conversation: Conversation, generation_id: str, epoch: int, status: str, conversation_id: str, out: _Emitter, spooled: bool
+    conversation: Conversation, generation_id: str, epoch: int, status: AnswerStatus, conversation_id: str, out: _Emitter,
+    spooled: bool,
 ) -> None:
     out.emit(
         ev.ConversationAnswerCommitted,

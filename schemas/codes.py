@@ -147,7 +147,8 @@ class LateReportReason(StrEnum):
 
 
 class AnswerStatus(StrEnum):
-    """How a conversation turn's generation ended, for its answer (``ConversationAnswerPending.status``)."""
+    """How a conversation turn's generation ended, for its answer (``ConversationAnswerPending.status``,
+    ``ConversationAnswerCommitted.status``)."""
 
     COMPLETED = "completed"
     INCOMPLETE = "incomplete"  # cancelled, failed, or never started

@@ -393,7 +393,7 @@ class ConversationAnswerCommitted(_EventBase):
     conversation_id: str
     revision: int
     epoch: int
-    status: str
+    status: AnswerStatus
     spooled: bool
     replaces_seq: int
 
