@@ -13,10 +13,14 @@ Delivery is at-least-once (faust flushes the producer before it commits offsets)
 exactly-once mode (faust-streaming #517, #323, #177): decisions are deterministic and derived ids
 make every output idempotent for its readers.
 
-State is never durable ahead of the outputs it implies. The agent decides commands in order and
-sends their outputs at once, but a command's new aggregate is written to the table (its changelog)
-and the command acked (made committable) only after Kafka acknowledged every output of it, in
-command order (``_drain``). After a kill -9 the restored table therefore reflects a prefix of
+The ledger entry comes first. The agent decides commands in order and hands each one's ledger entry
+to the producer at once; its other outputs (reply, dispatch, stops, finalization, usage) leave only
+after Kafka acknowledged that entry, a batch of commands per wait (``_drain``), so no client is told
+"admitted" and no worker handed a dispatch for a decision the ledger does not hold.
+
+State is never durable ahead of the outputs it implies: a command's new aggregate is written to the
+table (its changelog) and the command acked (made committable) only after Kafka acknowledged every
+output of it, in command order (``_drain``). After a kill -9 the restored table therefore reflects a prefix of
 commands whose outputs are all in the log; commands after it are redelivered and decided again
 from that state, with the same derived ids. (Writing the table first lost the ledger events of a
 command whose state reached the changelog while its events did not; its redelivery was skipped as
@@ -42,11 +46,13 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable
 
+import os
+
 import faust
 from faust.types import TP
 
 from control_plane.aggregate import Aggregate, handle
-from control_plane.routing import route
+from control_plane.routing import Outbound, route
 from projections.ledger import faust_adapter
 from projections.ledger.metrics import ProcessorMetrics
 from infra.runtime.gc_tuning import tune_gc
@@ -80,16 +86,24 @@ DEAD_LETTER_VALUE_BYTES_MAX = 4_096  # how much of an undecodable message the de
 
 @dataclass(slots=True)
 class _Pending:
-    """One decided command waiting for Kafka to acknowledge its outputs."""
+    """One decided command waiting for Kafka to acknowledge its ledger entry, then its outputs."""
 
     partition: int
-    sends: list[Awaitable[Any]] = field(default_factory=list)  # delivery futures of its outputs
+    sends: list[Awaitable[Any]] = field(default_factory=list)  # delivery futures of its ledger entry (or dead letter)
+    outputs: list[Outbound] = field(default_factory=list)  # sent once ``sends`` are acknowledged
+    headers: Any = None  # the trace context every output carries
     key: bytes | None = None  # the user whose table entries to write once they are acknowledged
     writes: TableWrites | None = None  # None: nothing to write
     aggregate: Aggregate | None = None
     event: Any = None  # the faust event to ack after the write
     skipped: tuple[int, int] | None = None  # offsets faust never delivered, decided by _fill_gap
     decided_at: float = 0.0  # perf_counter when decided (0: nothing decided), for the durable latency
+
+
+def _acknowledged(send: Awaitable[Any]) -> bool:
+    """A delivery future that has resolved (either way: awaiting it then raises a failure)."""
+    done = getattr(send, "done", None)
+    return bool(done and done())
 
 
 @dataclass
@@ -175,6 +189,7 @@ class AdmissionProcessor:
         self._expected_known = asyncio.Event()
         self._expected_known.set()
         self._faults_skip = set(settings.fault_skip_deliveries)
+        self._fault_batches = 0  # batches that reached CHATPLANE_FAULT_EXIT_AT's point
         self._pending_added = asyncio.Event()
         self._pending_room = asyncio.Event()
         # Edge liveness (presence.py), and the timer (timer.py): the deadline index and the reader watch
@@ -409,34 +424,45 @@ class AdmissionProcessor:
         await self._enqueue(_Pending(partition, skipped=(start, end - 1)), drainer)
 
     async def _drain(self, stream: Any) -> None:
-        """Oldest first: wait for a command's outputs, then write its state and ack it."""
+        """Oldest first, a batch at a time: wait for the batch's ledger entries, then send its other
+        outputs and wait for them, then write each command's state and ack it, in command order.
+
+        Nothing but a ledger entry (or a dead letter) leaves before Kafka acknowledged the entry it
+        derives from: a reply, a dispatch, a stop or a usage record of a decision whose entry was lost
+        in a crash never existed. The batch is the head (whose entries are awaited) and every command
+        behind it whose entries are already acknowledged, at most ``output_batch_max``: one wait for
+        acknowledgements per batch, not per command."""
         pending = self._pending
         limit = self.settings.pending_commands_max
+        batch_max = self.settings.output_batch_max
         try:
             while True:
                 if not pending:
                     self._pending_added.clear()
                     await self._pending_added.wait()
                     continue
-                head = pending[0]
-                for send in head.sends:
+                self._fault("before-ledger-ack")
+                for send in pending[0].sends:
                     await send  # raises when Kafka refused it after the producer's own retries
-                pending.popleft()
-                writes = head.writes
-                if writes is not None:
-                    await self._write(head.partition, writes)
-                    unwritten = self._unwritten.get(head.key)
-                    if unwritten is not None and unwritten[0] is head.aggregate:
-                        del self._unwritten[head.key]
-                        self._decoded[head.key] = (writes.puts[-1][1], head.aggregate, writes.layout)
-                if head.decided_at:
-                    self.metrics.durable(time.perf_counter() - head.decided_at)
-                if head.event is not None:
-                    await stream.ack(head.event)
-                elif head.skipped is not None:
-                    # faust never saw these offsets: without this its commit stays behind them.
-                    first, last = head.skipped
-                    await faust_adapter.mark_offsets_handled(self.app, self.topology.commands.name, head.partition, first, last)
+                size = 1
+                while size < len(pending) and size < batch_max and all(_acknowledged(f) for f in pending[size].sends):
+                    size += 1
+                batch = [pending[i] for i in range(size)]
+                for head in batch[1:]:
+                    for send in head.sends:
+                        await send  # done: raises if it failed
+                self._fault("after-ledger-ack")
+                out_sends: list[list[Awaitable[Any]]] = []
+                for head in batch:
+                    out_sends.append([
+                        await faust_adapter.send_record(self.app, o.topic, o.key, o.value, o.partition, head.headers)
+                        for o in head.outputs
+                    ])
+                for head, sends in zip(batch, out_sends):
+                    for send in sends:
+                        await send
+                    pending.popleft()
+                    await self._settle(head, stream)
                 if len(pending) < limit:
                     self._pending_room.set()
         except asyncio.CancelledError:
@@ -447,6 +473,35 @@ class AdmissionProcessor:
             self._pending_room.set()
             await self.app.crash(exc)
             raise
+
+    async def _settle(self, head: _Pending, stream: Any) -> None:
+        """Every output of ``head`` is acknowledged: write its state, then ack its command."""
+        writes = head.writes
+        if writes is not None:
+            await self._write(head.partition, writes)
+            unwritten = self._unwritten.get(head.key)
+            if unwritten is not None and unwritten[0] is head.aggregate:
+                del self._unwritten[head.key]
+                self._decoded[head.key] = (writes.puts[-1][1], head.aggregate, writes.layout)
+        if head.decided_at:
+            self.metrics.durable(time.perf_counter() - head.decided_at)
+        if head.event is not None:
+            await stream.ack(head.event)
+        elif head.skipped is not None:
+            # faust never saw these offsets: without this its commit stays behind them.
+            first, last = head.skipped
+            await faust_adapter.mark_offsets_handled(self.app, self.topology.commands.name, head.partition, first, last)
+
+    def _fault(self, point: str) -> None:
+        """A test's crash point (``CHATPLANE_FAULT_EXIT_AT``): exit as kill -9 would, no flush, no commit."""
+        fault = self.settings.fault_exit_at
+        if fault is None or fault[0] != point:
+            return
+        self._fault_batches += 1
+        if self._fault_batches >= fault[1]:
+            log.warning("fault injection: exiting at %s (batch %d)", point, self._fault_batches)
+            logging.shutdown()
+            os._exit(137)
 
     async def _write(self, partition: int, writes: TableWrites) -> None:
         """Settled entries, then the hot value, then deletes: any prefix reads back consistently.
@@ -534,10 +589,15 @@ class AdmissionProcessor:
             self.timer.decided(user_key, deadline, writes.readers)
         span = self._decision_span(headers, started_ns, command, decision, partition, offset) if started_ns else None
         out_headers = tracing.headers(span) if span is not None else None
+        ledger_topic = self.topology.ledger.name
         for out in route(self.topology, before.ledger, after.ledger, command, decision, partition):
-            pending.sends.append(
-                await faust_adapter.send_record(self.app, out.topic, out.key, out.value, out.partition, out_headers)
-            )
+            if out.topic == ledger_topic:
+                pending.sends.append(
+                    await faust_adapter.send_record(self.app, out.topic, out.key, out.value, out.partition, out_headers)
+                )
+            else:
+                pending.outputs.append(out)  # leaves once the ledger entry is acknowledged (_drain)
+        pending.headers = out_headers
         if span is not None:
             tracing.end(span)
         pending.decided_at = time.perf_counter()

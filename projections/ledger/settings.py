@@ -19,6 +19,18 @@ def _pairs(raw: str) -> frozenset[tuple[int, int]]:
     return frozenset((int(a), int(b)) for a, b in pairs)
 
 
+FAULT_POINTS = ("before-ledger-ack", "after-ledger-ack")
+
+
+def _fault_point(raw: str) -> tuple[str, int] | None:
+    if not raw:
+        return None
+    point, _, n = raw.partition(":")
+    if point not in FAULT_POINTS or not n.isdigit() or int(n) < 1:
+        raise ValueError(raw)
+    return point, int(n)
+
+
 @dataclass(frozen=True)
 class ProcessorSettings:
     kafka_bootstrap: str = kafka_bootstrap_setting()
@@ -52,6 +64,16 @@ class ProcessorSettings:
     fault_skip_deliveries: frozenset[tuple[int, int]] = setting(
         "CHATPLANE_FAULT_SKIP_DELIVERIES", frozenset(), parse=_pairs, expected="partition:offset pairs, comma-separated"
     )
+    # Fault injection for tests only: "<point>:<n>" exits the process (as kill -9 would: no flush, no
+    # commit) when the n-th batch of decided commands reaches <point> in the drain: "before-ledger-ack"
+    # (their ledger entries handed to the producer, not acknowledged) or "after-ledger-ack" (entries
+    # acknowledged, no other output sent). Empty in production.
+    fault_exit_at: tuple[str, int] | None = setting(
+        "CHATPLANE_FAULT_EXIT_AT", None, parse=_fault_point, expected="before-ledger-ack:N or after-ledger-ack:N"
+    )
+    # Decided commands whose outputs one drain step sends after a single wait for their ledger
+    # entries' acknowledgements: the extra round trip is paid per batch, not per command.
+    output_batch_max: int = setting("CHATPLANE_PROCESSOR_OUTPUT_BATCH_MAX", 500, ge=1)
     # Ledger entries read back per assigned partition at assignment, for the read stamps of commands a
     # crashed processor decided but did not make durable (projections/ledger/read_stamps.py); at least
     # twice the pending bound above, since those decisions are all at the end of the partition.

@@ -9,14 +9,18 @@ import uuid
 from collections import Counter, defaultdict
 
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from projections.ledger.audit import audit
+from infra.runtime.kafka_admin import deployment_topics, ensure_topics
 from infra.models.catalog import load_catalog
 from infra.runtime.topic_reader import read_topic
 from infra.runtime.command_client import CommandClient, DecisionTimeout
 from schemas import commands as cmd
 from schemas.codes import FinishOutcome, RejectionCode, RequestStatus, Tier
 from schemas.messages import DispatchAuthorized, Outcome, OutcomeKind
+from schemas.topics import TIERS
 from schemas.wire import decode_ledger_entry, decode_message, encode
 from infra.harness.processes import wait_until_committed, wait_until_deciding
 
@@ -420,3 +424,139 @@ async def test_commands_the_consumer_never_delivered_are_read_from_kafka_and_dec
     log = p.log_text()
     for hole in ("[5, 7) of", "[9, 10) of", "[0, 1) of"):
         assert f"faust skipped offsets {hole}" in log, log[-4000:]
+
+
+# ---- the ledger entry first, then the outputs ---------------------------------------------------
+
+LEDGER_REFUSED_RECORD_BYTES = 64  # below any ledger entry: the broker refuses it (MessageSizeTooLarge)
+
+
+async def _set_ledger_max_message_bytes(bootstrap: str, topology, value: str | None) -> None:
+    """Set (or, with None, reset through the one topic path) the ledger topic's max.message.bytes."""
+    if value is None:
+        await ensure_topics(bootstrap, deployment_topics(topology))
+        return
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        spec = topology.ledger
+        await admin.alter_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, spec.name, configs={**spec.configs(), "max.message.bytes": value})]
+        )
+    finally:
+        await admin.close()
+
+
+async def _dispatches(bootstrap: str, topology) -> list[DispatchAuthorized]:
+    out = []
+    for pool in sorted(set(load_catalog().pools())):
+        for tier in TIERS:
+            for _, _, _, value in await read_topic(bootstrap, topology.dispatch(pool, tier)):
+                out.append(decode_message(value))
+    return out
+
+
+async def _ledger_event_ids(bootstrap: str, topology) -> set[str]:
+    return {
+        e.event_id
+        for _, _, _, value in await read_topic(bootstrap, topology.ledger)
+        for e in decode_ledger_entry(value).events
+    }
+
+
+async def _replies(bootstrap: str, topology) -> dict[str, list[Outcome]]:
+    out: dict[str, list[Outcome]] = defaultdict(list)
+    for _, _, _, value in await read_topic(bootstrap, topology.edge_inbox):
+        message = decode_message(value)
+        if isinstance(message, Outcome):
+            out[message.command_id].append(message)
+    return out
+
+
+async def test_a_decision_whose_ledger_entry_kafka_refused_has_no_reply_and_no_dispatch(
+    kafka_bootstrap, topology, processor_factory, client
+):
+    p = processor_factory(CHATPLANE_LOG_LEVEL="INFO")
+    p.start()
+    await wait_until_deciding(client)
+    await _set_ledger_max_message_bytes(kafka_bootstrap, topology, str(LEDGER_REFUSED_RECORD_BYTES))
+    command = submit(client, "user-refused", "k-refused")
+    with pytest.raises(DecisionTimeout):
+        await client.decide(command)
+    deadline = time.monotonic() + 30
+    while p.alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert not p.alive(), "a ledger entry Kafka refused must stop the processor"
+    assert "an output was not delivered" in p.log_text()
+    # The decision was made and its ledger entry refused: nothing derived from it may exist.
+    assert command.command_id not in await _replies(kafka_bootstrap, topology), "a reply left before its ledger entry"
+    assert await _dispatches(kafka_bootstrap, topology) == [], "a dispatch left before its ledger entry"
+    # Kafka takes ledger entries again: the command, never acked, is decided again and answered, its
+    # dispatch after its ledger entry.
+    await _set_ledger_max_message_bytes(kafka_bootstrap, topology, None)
+    p.start()
+    outcome = await client.decide(command)
+    assert outcome.kind is OutcomeKind.ADMITTED
+    dispatches = await _dispatches(kafka_bootstrap, topology)
+    # The command was appended twice (the timed-out decide and this one): the second is answered from
+    # memory and its outputs sent again, the same records (readers de-duplicate by event id).
+    assert {(d.generation_id, d.event_id) for d in dispatches} == {(outcome.generation_id, dispatches[0].event_id)}
+    assert dispatches[0].event_id in await _ledger_event_ids(kafka_bootstrap, topology)
+    await wait_until_committed(kafka_bootstrap, topology)
+    p.stop()
+    report = await audit(kafka_bootstrap, topology)
+    assert report.ok, report.render()
+
+
+@pytest.mark.parametrize("point", ["before-ledger-ack", "after-ledger-ack"])
+async def test_a_crash_at_the_ledger_acknowledgement_under_load_leaves_no_output_without_its_entry(
+    kafka_bootstrap, topology, processor_factory, client, point
+):
+    """The processor exits as kill -9 would (CHATPLANE_FAULT_EXIT_AT) at ``point`` of a drain batch,
+    four times under the mixed load, restarted each time: every reply and dispatch on the log has its
+    ledger entry, every command one outcome, every admitted generation ends, and the audit is clean."""
+    env = dict(
+        CHATPLANE_LOG_LEVEL="INFO", CHATPLANE_PROCESSOR_COMMIT_INTERVAL_S=0.3, CHATPLANE_QUEUE_WAIT_MAX_MS=3000,
+        CHATPLANE_RECONCILE_GRACE_MS=1000, CHATPLANE_LEASE_MS=4000,
+    )
+    rng = random.Random(f"{point}-20261207")
+    p = processor_factory(**env)
+    p.start()
+    await wait_until_deciding(client)
+    load = MixedLoad(client, users=6, seed=20261207)
+    crashes = 0
+    for _round in range(4):
+        p.stop()
+        p = processor_factory(**env, CHATPLANE_FAULT_EXIT_AT=f"{point}:{rng.randint(5, 40)}")
+        p.start()
+        driver = asyncio.create_task(_drive(load, 200))
+        deadline = time.monotonic() + 60
+        while p.alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not p.alive(), f"the fault at {point} did not fire"
+        assert f"fault injection: exiting at {point}" in p.log_text()
+        crashes += 1
+        p = processor_factory(**env)
+        p.start()
+        await driver
+    assert crashes == 4
+    # Let every queued reservation pass its reconcile deadline and every lease expire.
+    await asyncio.sleep(7.0)
+    await wait_until_committed(kafka_bootstrap, topology)
+    p.stop()
+    ledger_ids = await _ledger_event_ids(kafka_bootstrap, topology)
+    dispatches = await _dispatches(kafka_bootstrap, topology)
+    assert dispatches
+    assert [d.event_id for d in dispatches if d.event_id not in ledger_ids] == [], "a dispatch without its ledger entry"
+    replies = await _replies(kafka_bootstrap, topology)
+    sent_ids = {c.command_id for c in load.sent}
+    assert sent_ids <= set(replies)
+    assert all(len({encode(o) for o in replies[c]}) == 1 for c in sent_ids), "a command got two different outcomes"
+    report = await audit(kafka_bootstrap, topology, concurrency_limit=2)
+    assert report.ok, report.render()
+    # Every admitted generation reached a terminal state (finished, cancelled, or ended by its deadline).
+    cutoff = now_ms() - 2_000
+    assert report.states
+    for state in report.states.values():
+        for reservation in state.reservations.values():
+            assert not (reservation.state.value == "reserved" and reservation.reconcile_deadline_ms < cutoff)
