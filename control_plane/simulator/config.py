@@ -44,6 +44,9 @@ class SimConfig:
     processor_restart_ms: tuple[int, int] = (100, 3_000)
     commit_every: tuple[int, int] = (1, 8)  # commands between offset commits
     crash_drop_p: float = 0.5  # an in-flight output of an uncommitted command is lost in a crash
+    # A command's outputs other than its ledger entry leave only once that entry landed (the
+    # processor's drain). False models the previous design, which sent them beside the entry.
+    outputs_after_ledger: bool = True
     worker_crash_p: float = 0.002  # per decode step
     worker_restart_ms: tuple[int, int] = (500, 8_000)
     edge_timeout_ms: int = 700

@@ -5,10 +5,13 @@ Data flow: command records arrive through ``append`` (from the world's producers
 ``process_next`` consumes them in order (stamping a submit's read time, or the stamp recalled from the
 ledger after a restart), folds each into ``aggregates`` with ``handle``, checks the new state with
 ``check_state`` and routes the outputs: ledger entries are held in ``pending_ledger`` until they land
-(``flush_one``) or a commit flushes them (``world.commit_ledger``), usage records go to
+(``flush_one``) or a commit flushes them (``world.commit_ledger``); every other output waits in
+``outbox``, in command order, until the ledger entry of its command has landed (as the real
+processor's drain waits for the entry's acknowledgement), then usage records go to
 ``world.deliver_usage``, dispatch and messages over the lossy network (``world.send``). Every few
 commands ``commit`` snapshots the table and the offset; ``crash`` loses what was not committed (some
-of the pending entries and in-flight outputs got out first) and ``restart`` re-consumes from the
+of the pending entries got out first, and of those some outputs: the crash may fall between an
+entry's acknowledgement and its outputs; in-flight outputs may be lost) and ``restart`` re-consumes from the
 committed offset. ``timer_tick`` appends ``ReconcileDue`` for every user past its next deadline.
 """
 
@@ -25,6 +28,15 @@ from schemas import commands as cmd
 from schemas.wire import decode_command
 
 
+@dataclasses.dataclass(slots=True)
+class _Held:
+    """One command's outputs other than its ledger entry, waiting for that entry to land."""
+
+    entry: bytes | None  # its ledger entry (None: it has none, it waits only for the commands before it)
+    sends: list  # callables, each sending one output
+    landed: bool = False
+
+
 class Processor:
     """One partition's single writer: a commands log, a table of aggregates, committed snapshots."""
 
@@ -39,7 +51,8 @@ class Processor:
         self.scheduled = False
         self.since_commit = 0
         self.commit_after = sim.between(sim.config.commit_every)
-        self.pending_ledger: list[tuple[int, bytes]] = []  # (offset, entry) not yet on the ledger log
+        self.pending_ledger: list[tuple[_Held, bytes]] = []  # (its command's outputs, entry) not yet on the ledger log
+        self.outbox: list[_Held] = []  # outputs waiting for their command's ledger entry, in command order
         self.clock_skew_ms = sim.skew()  # the timer's clock
         # The clock it stamps reads with, and the stamps it read back from the ledger at its last start.
         self.read_clock_skew_ms = sim.rng.randint(-sim.config.decision_clock_skew_ms, sim.config.decision_clock_skew_ms)
@@ -96,32 +109,54 @@ class Processor:
         violations = check_state(after.ledger, sim.config.concurrency_limit)
         if violations:
             sim.fail(violations)
+        held = _Held(None, [])
         for out in route(sim.topology, before.ledger, after.ledger, command, decision, 0):
             if out.topic == sim.topology.ledger.name:
-                self.pending_ledger.append((origin, out.value))
+                held.entry = out.value
+                self.pending_ledger.append((held, out.value))
                 sim.at(sim.between(sim.config.net_delay_ms), self.flush_one, out.value)
             elif out.topic == sim.topology.usage.name:
-                self.track(origin, [sim.at(sim.between(sim.config.net_delay_ms), sim.deliver_usage, out.value)])
+                held.sends.append(lambda v=out.value: self.track(
+                    origin, [sim.at(sim.between(sim.config.net_delay_ms), sim.deliver_usage, v)]
+                ))
             elif out.topic in sim.dispatch_topics:
-                sim.send(sim.deliver_dispatch, out.value, origin)
+                held.sends.append(lambda v=out.value: sim.send(sim.deliver_dispatch, v, origin))
             else:
-                sim.send(sim.deliver_message, out.value, origin)
+                held.sends.append(lambda v=out.value: sim.send(sim.deliver_message, v, origin))
+        self.outbox.append(held)
+        if not sim.config.outputs_after_ledger:  # the previous design, kept to show the check catches it
+            held.landed = True
+        self.release()
+
+    def land(self, held: _Held, value: bytes) -> None:
+        self.sim.commit_ledger(value)
+        held.landed = True
+
+    def release(self, most: int | None = None) -> None:
+        """Send the outputs at the head of the outbox whose ledger entry has landed (or that have none)."""
+        sent = 0
+        while self.outbox and (self.outbox[0].entry is None or self.outbox[0].landed) and (most is None or sent < most):
+            for send in self.outbox.pop(0).sends:
+                send()
+            sent += 1
 
     def flush_one(self, value: bytes) -> None:
         """The producer keeps a partition's order: this entry lands with every entry sent before it."""
         if not any(pending is value for _, pending in self.pending_ledger):
             return  # already flushed by a commit, or lost in a crash
         while self.pending_ledger:
-            _, pending = self.pending_ledger.pop(0)
-            self.sim.commit_ledger(pending)
+            held, pending = self.pending_ledger.pop(0)
+            self.land(held, pending)
             if pending is value:
-                return
+                break
+        self.release()
 
     def commit(self) -> None:
         """Flush the producer (every pending ledger entry lands), then snapshot the table and the offset."""
-        for _, value in self.pending_ledger:
-            self.sim.commit_ledger(value)
+        for held, value in self.pending_ledger:
+            self.land(held, value)
         self.pending_ledger.clear()
+        self.release()
         self.in_flight.clear()
         self.snapshot = dict(self.aggregates)
         self.committed_offset = self.offset
@@ -136,8 +171,17 @@ class Processor:
         # The producer keeps order, so what got out is a prefix of what was pending.
         pending, self.pending_ledger = self.pending_ledger, []
         sent = sim.rng.randint(0, len(pending)) if pending else 0
-        for _, value in pending[:sent]:
-            sim.commit_ledger(value)
+        for held, value in pending[:sent]:
+            self.land(held, value)
+        # The crash may fall after entries were acknowledged and before all of their outputs were
+        # sent: some of the releasable outputs got out, the rest are lost with the outbox.
+        releasable = 0
+        for held in self.outbox:
+            if not (held.entry is None or held.landed):
+                break
+            releasable += 1
+        self.release(most=sim.rng.randint(0, releasable) if releasable else 0)
+        self.outbox.clear()
         for _, seqs in self.in_flight:
             for seq in seqs:
                 if sim.rng.random() < sim.config.crash_drop_p:

@@ -78,7 +78,12 @@ class Simulation(World):
         self.processor.track(origin, seqs)
 
     def deliver_dispatch(self, value: bytes) -> None:
-        self.dispatch_queue.append(decode_message(value))
+        dispatch = decode_message(value)
+        if dispatch.event_id not in self.ledger:
+            # The previous design's hole: a dispatch (and a reply) sent beside a ledger entry that a
+            # crash then lost; the generation never existed on the log.
+            self.fail(f"dispatch {dispatch.event_id} of {dispatch.generation_id} delivered before its ledger entry")
+        self.dispatch_queue.append(dispatch)
         idle = [w for w in self.workers if w.up and len(w.runs) < self.config.worker_slots]
         if idle:
             worker = self.rng.choice(idle)
