@@ -34,6 +34,7 @@ from infra.stores.schema import ReadModelSettings
 from infra.runtime import memtrace, tracing
 from infra.runtime.malloc_tuning import tune_malloc
 from infra.runtime.log_limits import install_log_limits
+from infra.runtime.event_loop import event_loop_kind
 from infra.runtime.settings import SettingsError, exit_on_settings_error, log_level
 from schemas.codes import RejectionCode
 from schemas.messages import RejectionDetails
@@ -128,6 +129,8 @@ def uvicorn_config(app: FastAPI, settings: EdgeSettings, **overrides: Any) -> uv
         # The client address is the socket peer unless it is a configured trusted proxy (edge/client_ip.py);
         # uvicorn's own rewriting would believe X-Forwarded-For from 127.0.0.1 (FORWARDED_ALLOW_IPS).
         proxy_headers=False,
+        # uvloop unless CHATPLANE_EVENT_LOOP=asyncio; uvicorn installs it (infra/runtime/event_loop.py).
+        loop=event_loop_kind(),
         http=bounded_h11_protocol(
             head_timeout_s=settings.request_head_timeout_s,
             connections_max=settings.connections_max,
@@ -161,6 +164,7 @@ def main() -> None:
             # The read model opens lazily; its settings (CHATPLANE_CASSANDRA_*, ...) are checked now.
             ReadModelSettings()
         tracing.configure("chatplane-edge")
+        event_loop_kind()  # a bad CHATPLANE_EVENT_LOOP stops the edge here, named
     except SettingsError as exc:
         exit_on_settings_error(exc)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")

@@ -34,6 +34,7 @@ from infra.runtime import memtrace, tracing
 from infra.runtime.malloc_tuning import tune_malloc
 from infra.runtime.log_limits import install_log_limits
 from infra.content.policy_checks import PolicySettings, load_policy_check
+from infra.runtime.event_loop import use_event_loop
 from infra.runtime.settings import SettingsError, env_value, exit_on_settings_error, log_level
 from infra.runtime.metrics_http import MetricsPortUnavailable, start_metrics_server
 from infra.stores.schema import ReadModelSettings
@@ -198,6 +199,7 @@ def main() -> None:
         engine_default = env_value("CHATPLANE_WORKER_ENGINE", None, kind=str, choices=engines)
         level = log_level("INFO")
         tracing.configure("chatplane-worker")
+        use_event_loop()
     except SettingsError as exc:
         exit_on_settings_error(exc)
     parser.add_argument(

@@ -41,7 +41,32 @@ EDGE_START_TIMEOUT_S = 60.0
 PROJECTION_STOP_TIMEOUT_S = 30.0
 
 
-class ProcessorProcess:
+class _Subprocess:
+    """One component run as a subprocess: ``proc`` is set by the subclass's ``start``."""
+
+    proc: subprocess.Popen[bytes] | None = None
+    stop_timeout_s: float = 30.0
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=self.stop_timeout_s)
+
+    def stop(self) -> None:
+        """SIGTERM (a graceful stop), then SIGKILL after ``stop_timeout_s``."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=self.stop_timeout_s)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class ProcessorProcess(_Subprocess):
     """``python -m projections`` (the admission processor) as a subprocess (logs in ``log_dir``)."""
 
     def __init__(self, bootstrap: str, namespace: str, log_dir: Path, **env: Any) -> None:
@@ -68,26 +93,9 @@ class ProcessorProcess:
             [sys.executable, "-m", "projections"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
 
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-
     def log_text(self) -> str:
         """Everything the processor's runs so far wrote to their logs."""
         return "".join(f.read_text(errors="replace") for f in sorted(self.log_dir.glob("processor-*.log")))
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
 
 async def wait_until_committed(bootstrap: str, topology: Any, timeout_s: float = PROCESSOR_READY_TIMEOUT_S) -> None:
@@ -207,9 +215,11 @@ class EdgeProcess:
         return httpx.AsyncClient(base_url=self.url, timeout=HTTP_TIMEOUT_S)
 
 
-class ProjectionProcess:
+class ProjectionProcess(_Subprocess):
     """``python -m projections.readmodel`` (or another ``module``, e.g. the history writer
     ``projections.history``) as a subprocess (SIGTERM to stop, SIGKILL to crash)."""
+
+    stop_timeout_s = PROJECTION_STOP_TIMEOUT_S
 
     def __init__(self, bootstrap: str, namespace: str, log_dir: Path, module: str = "projections.readmodel", **env: Any) -> None:
         self.module = module
@@ -237,23 +247,12 @@ class ProjectionProcess:
             self.proc.kill()
             self.proc.wait(timeout=PROJECTION_STOP_TIMEOUT_S)
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.starts else ""
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=PROJECTION_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=PROJECTION_STOP_TIMEOUT_S)
 
 
-class WorkerProcess:
+class WorkerProcess(_Subprocess):
     """``python -m workers --engine ...`` as a subprocess (logs in ``log_dir``)."""
 
     def __init__(self, bootstrap: str, topology: Topology, log_dir: Path, engine: str = "sim", **env: Any) -> None:
@@ -277,20 +276,6 @@ class WorkerProcess:
         log = open(self.log_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen([sys.executable, "-m", "workers", "--engine", self.engine], cwd=ROOT,
                                      env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT)
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]

@@ -49,6 +49,7 @@ from infra.stores.schema import ReadModelSettings
 from infra.runtime.command_client import CommandClient
 from infra.runtime.log_limits import install_log_limits
 from infra.runtime.metrics_http import metrics_port
+from infra.runtime.event_loop import use_event_loop
 from infra.runtime.settings import SettingsError, env_value, exit_on_settings_error, kafka_bootstrap
 from schemas import events as ev
 from schemas.commands import CommitAnswer
@@ -331,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = ReadModelSettings()
         args.metrics_port = metrics_port(HISTORY_METRICS_PORT_ENV)
+        use_event_loop()
     except SettingsError as exc:
         exit_on_settings_error(exc)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

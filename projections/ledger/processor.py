@@ -62,6 +62,7 @@ from infra.runtime import memtrace, tracing
 from infra.runtime.malloc_tuning import tune_malloc
 from infra.runtime.log_limits import install_log_limits
 from infra.runtime.metrics_http import MetricsPortUnavailable, start_metrics_server
+from infra.runtime.event_loop import use_event_loop
 from infra.runtime.settings import SettingsError, exit_on_settings_error, log_level
 from projections.ledger.settings import ProcessorSettings
 from projections.ledger.presence import PresenceWatch
@@ -679,6 +680,7 @@ def main() -> None:
         level = log_level("WARNING")
         settings = ProcessorSettings()
         tracing.configure("chatplane-processor")
+        use_event_loop()  # before faust creates its loop
     except SettingsError as exc:
         exit_on_settings_error(exc)
     tune_malloc()

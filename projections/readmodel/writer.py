@@ -51,6 +51,7 @@ from infra.runtime import memtrace, tracing
 from infra.runtime.malloc_tuning import tune_malloc
 from infra.runtime.log_limits import install_log_limits
 from infra.runtime.metrics_http import metrics_port
+from infra.runtime.event_loop import use_event_loop
 from infra.runtime.settings import SettingsError, env_value, exit_on_settings_error, kafka_bootstrap
 from projections.follower import POLL_TIMEOUT_MS, commit_offsets, follower_consumer, follower_group, run_follower
 from projections.readmodel.metrics import readmodel_metrics
@@ -472,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = ReadModelSettings()
         args.metrics_port = metrics_port(READMODEL_METRICS_PORT_ENV)
         tracing.configure("chatplane-readmodel")
+        use_event_loop()
     except SettingsError as exc:
         exit_on_settings_error(exc)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
