@@ -7,6 +7,7 @@ import random
 import time
 import uuid
 from collections import Counter, defaultdict
+from typing import Any
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
@@ -229,6 +230,12 @@ async def test_kill_9_under_mixed_load_loses_and_doubles_nothing(kafka_bootstrap
         await asyncio.gather(*tasks)
     await _drive(load, 50)
     assert kills == 4
+    await _settle_and_check(kafka_bootstrap, topology, p, load)
+
+
+async def _settle_and_check(kafka_bootstrap: str, topology, p, load: MixedLoad) -> Any:
+    """After a mixed load with crashes: the audit is clean, every command has exactly one logical
+    outcome, and no reservation is left RESERVED past its reconcile deadline. Returns the audit."""
     # Let every queued reservation pass its reconcile deadline and every lease expire.
     await asyncio.sleep(7.0)
     await wait_until_committed(kafka_bootstrap, topology)
@@ -239,20 +246,17 @@ async def test_kill_9_under_mixed_load_loses_and_doubles_nothing(kafka_bootstrap
     assert report.ok, report.render()
     assert report.consumed > 0 and report.entries_read > 0
     # Every command has exactly one logical outcome, however often it was decided or redelivered.
-    replies: dict[str, set[bytes]] = defaultdict(set)
-    for _, _, _, value in await read_topic(kafka_bootstrap, topology.edge_inbox):
-        message = decode_message(value)
-        if isinstance(message, Outcome):
-            replies[message.command_id].add(encode(message))
+    replies = await _replies(kafka_bootstrap, topology)
     sent_ids = {c.command_id for c in load.sent}
     assert sent_ids <= set(replies)
-    assert all(len(replies[c]) == 1 for c in sent_ids), "a command got two different outcomes"
+    assert all(len({encode(o) for o in replies[c]}) == 1 for c in sent_ids), "a command got two different outcomes"
     # Nothing is left RESERVED past its reconcile deadline.
     cutoff = now_ms() - 2_000
     assert report.states
     for state in report.states.values():
         for reservation in state.reservations.values():
             assert not (reservation.state.value == "reserved" and reservation.reconcile_deadline_ms < cutoff)
+    return report
 
 
 async def _drive(load: MixedLoad, steps: int) -> None:
@@ -540,23 +544,8 @@ async def test_a_crash_at_the_ledger_acknowledgement_under_load_leaves_no_output
         p.start()
         await driver
     assert crashes == 4
-    # Let every queued reservation pass its reconcile deadline and every lease expire.
-    await asyncio.sleep(7.0)
-    await wait_until_committed(kafka_bootstrap, topology)
-    p.stop()
+    await _settle_and_check(kafka_bootstrap, topology, p, load)
     ledger_ids = await _ledger_event_ids(kafka_bootstrap, topology)
     dispatches = await _dispatches(kafka_bootstrap, topology)
     assert dispatches
     assert [d.event_id for d in dispatches if d.event_id not in ledger_ids] == [], "a dispatch without its ledger entry"
-    replies = await _replies(kafka_bootstrap, topology)
-    sent_ids = {c.command_id for c in load.sent}
-    assert sent_ids <= set(replies)
-    assert all(len({encode(o) for o in replies[c]}) == 1 for c in sent_ids), "a command got two different outcomes"
-    report = await audit(kafka_bootstrap, topology, concurrency_limit=2)
-    assert report.ok, report.render()
-    # Every admitted generation reached a terminal state (finished, cancelled, or ended by its deadline).
-    cutoff = now_ms() - 2_000
-    assert report.states
-    for state in report.states.values():
-        for reservation in state.reservations.values():
-            assert not (reservation.state.value == "reserved" and reservation.reconcile_deadline_ms < cutoff)
