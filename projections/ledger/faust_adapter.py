@@ -9,6 +9,8 @@
         the deadline timer                   --> assigned_partitions    (the transport consumer's assignment)
         the app's Kafka clients              --> use_kafka_client_settings (a transport whose consumer and
                                                   producer carry infra.runtime.kafka_settings)
+        a table recovery that reads nothing  --> restart_stalled_recovery (seek the changelog partitions
+                                                  again from what recovery applied, resume them)
 
 The processor calls faust only through its public API (``App``, ``App.topic``, ``App.Table``,
 ``App.agent``, ``App.timer``, the partition signals, ``Stream.noack``/``events``/``ack``,
@@ -23,7 +25,9 @@ rely on"); pyproject.toml pins the one the contract tests and the integration te
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import faust
@@ -264,7 +268,116 @@ def use_kafka_client_settings(app: faust.App) -> None:
     app.producer_transport = KafkaTransport(app.conf.broker_producer, app)
 
 
+@dataclass(frozen=True)
+class StalledPartition:
+    """A changelog partition the table recovery waits on while nothing of it arrives: what recovery
+    applied and needs (its ``offset`` and ``highwater``) and what the consumer held for it before the
+    restart (``position``: aiokafka's fetch position; ``paused``: in faust's paused set;
+    ``read_offset``: the offset below which faust drops a fetched record; ``flow_active``)."""
+
+    topic: str
+    partition: int
+    offset: int
+    highwater: int
+    position: int | None
+    paused: bool
+    read_offset: int | None
+    flow_active: bool
+
+
+async def restart_stalled_recovery(app: faust.App, stall_s: float, last_restart: dict[Any, float]) -> list[StalledPartition]:
+    """When the table recovery has received nothing of an active changelog partition for ``stall_s``
+    while it still needs records of it, seek that partition to the last offset recovery applied,
+    resume it and the consumer's flow; returns what was restarted (with the consumer's state before).
+    Each partition is restarted at most once per ``stall_s`` (``last_restart``, by partition, the
+    caller's and bounded by the assignment).
+
+    What faust does: after a rebalance ``Recovery._restart_recovery`` seeks each active changelog
+    partition to the offset it holds, resumes those partitions and the flow, starts the fetcher and
+    waits until ``_slurp_changelogs`` has applied every record up to the highwater read at the start;
+    the fetch loop (``Consumer._drain_messages``) drops a fetched record whose delivery a flow
+    suspension interrupted, and every later one below the offset it saw last. Until recovery ends the
+    agent gets no command of any partition.
+
+    Why we bypass it: faust-streaming 0.15.3 was seen (the fleet test, a processor leaving under
+    load) waiting on seven changelog partitions for minutes with fetch requests going out and not one
+    record delivered; nothing in faust retries, so the staying processor decided nothing. The
+    records recovery needs are still in Kafka: reading them again from the offset recovery applied
+    last repeats at most that one record (recovery skips an offset at or below the one it has).
+
+    Relies on: ``App.tables.recovery`` (``faust.tables.recovery.Recovery``) with ``in_recovery``,
+    ``active_tps``, ``active_offsets`` and ``active_highwaters`` (``Counter[TP]``, -1 before any
+    record), ``_recovery_started_at`` and ``_active_events_received_at`` (monotonic seconds, by TP);
+    ``App.consumer`` (faust's transport consumer) with ``seek_wait({TP: offset})``, ``position(TP)``,
+    ``resume_partitions``, ``resume_flow``, ``flow_active``, ``_paused_partitions`` and
+    ``_read_offset``; ``App.flow_control.resume()``.
+    """
+    recovery = app.tables.recovery
+    started = recovery._recovery_started_at  # noqa: SLF001 - see the docstring
+    if not recovery.in_recovery or started is None:
+        return []
+    now = time.monotonic()
+    if now - started < stall_s:
+        return []
+    received = recovery._active_events_received_at  # noqa: SLF001
+    stalled = [
+        tp for tp in sorted(recovery.active_tps)
+        if recovery.active_highwaters[tp] > recovery.active_offsets[tp]
+        and now - received.get(tp, started) >= stall_s
+        and now - last_restart.get(tp, started) >= stall_s
+    ]
+    if not stalled:
+        return []
+    consumer = app.consumer
+    found = []
+    for tp in stalled:
+        try:
+            position = await consumer.position(tp)
+        except Exception:  # noqa: BLE001 - a diagnostic: the partition may be mid-revoke
+            position = None
+        found.append(StalledPartition(
+            tp.topic, tp.partition, int(recovery.active_offsets[tp]), int(recovery.active_highwaters[tp]), position,
+            tp in consumer._paused_partitions, consumer._read_offset.get(tp), bool(consumer.flow_active),  # noqa: SLF001
+        ))
+    await consumer.seek_wait({tp: max(int(recovery.active_offsets[tp]), 0) for tp in stalled})
+    consumer.resume_partitions(stalled)
+    app.flow_control.resume()
+    consumer.resume_flow()
+    for key in [k for k in last_restart if k not in recovery.active_tps]:
+        del last_restart[key]
+    last_restart.update((tp, now) for tp in stalled)
+    return found
+
+
+def stall_first_recovery_for_test(app: faust.App) -> None:
+    """Test-only fault (``CHATPLANE_FAULT_STALL_FIRST_RECOVERY``): the first table recovery that has
+    changelog records to read finds its active partitions sought to their ends, right after it sought
+    them to where it starts reading, so it receives nothing of them, as was seen of faust-streaming
+    (``restart_stalled_recovery``).
+
+    Relies on: ``Recovery._seek_offsets(consumer, tps, offsets, title)``, awaited by
+    ``Recovery._restart_recovery`` with ``title == "active"`` for the active changelog partitions after
+    the highwaters were read; the transport consumer's ``highwaters(*tps)`` (end offsets) and
+    ``seek_wait``.
+    """
+    recovery = app.tables.recovery
+    original = recovery._seek_offsets  # noqa: SLF001 - see the docstring
+    done = False
+
+    async def seek_then_skip(consumer: Any, tps: Any, offsets: Any, title: str) -> None:
+        nonlocal done
+        await original(consumer, tps, offsets, title)
+        if done or title != "active" or not recovery.need_recovery():
+            return
+        done = True
+        ends = await consumer.highwaters(*tps)
+        await consumer.seek_wait({tp: end for tp, end in ends.items() if end})
+
+    recovery._seek_offsets = seek_then_skip  # noqa: SLF001
+
+
 __all__ = [
+    "StalledPartition",
     "KafkaTransport",
     "FAUST_VERSION_BELOW",
     "FAUST_VERSION_MIN",
@@ -276,7 +389,9 @@ __all__ = [
     "mark_offsets_handled",
     "put_table_entry",
     "remove_monitor_sensor",
+    "restart_stalled_recovery",
     "send_record",
+    "stall_first_recovery_for_test",
     "set_consumer_retry_backoff",
     "use_kafka_client_settings",
 ]

@@ -257,6 +257,8 @@ class _ScrapeCollector(Collector):
         for name, value, doc in (
             ("gap_fills", stats.gaps, "Holes in faust's delivery of a partition, filled by reading Kafka directly."),
             ("gap_commands", stats.gap_commands, "Commands decided by a gap fill."),
+            ("recovery_restarts", stats.recovery_restarts,
+             "Changelog partitions a stalled table recovery read again (faust_adapter.restart_stalled_recovery)."),
             ("dead_letters", stats.dead_lettered, "Commands sent to the dead-letter topic (undecodable or failing)."),
             ("redeliveries", stats.redelivered, "Redelivered commands answered from the decision memory."),
             ("redeliveries_forgotten", stats.redelivered_forgotten,

@@ -119,6 +119,7 @@ class ProcessorStats:
     readers_detached: int = 0  # DetachReader sent for a generation whose reader's edge was lost
     readers_reattached: int = 0  # AttachReader sent: the edge was heard again inside the grace
     readers_unwatched: int = 0  # users not watched: readers_tracked_max reached
+    recovery_restarts: int = 0  # changelog partitions a stalled table recovery read again
 
 
 class AdmissionProcessor:
@@ -214,6 +215,10 @@ class AdmissionProcessor:
         self.app.agent(self.commands, name="admission", concurrency=1)(self._admission)
         self.app.timer(interval=settings.reconcile_tick_s, name="reconcile")(self.timer.tick)
         self.app.task(self.presence_watch.run)
+        # Started at the first assignment: faust starts app tasks only after the first recovery.
+        self._recovery_watch: asyncio.Task[None] | None = None
+        if settings.fault_stall_first_recovery:
+            faust_adapter.stall_first_recovery_for_test(self.app)
         if settings.metrics_port:
             self.app.task(self._serve_metrics)
         self.app.on_partitions_assigned.connect(self._on_assigned)
@@ -229,6 +234,26 @@ class AdmissionProcessor:
         quiet_client_loggers()
         tune_gc(self.settings.gc_gen0_threshold)
         log.info("processor %s ready", self.settings.instance_id)
+
+    async def _watch_recovery(self) -> None:
+        """Restart a table recovery that stalled (faust_adapter.restart_stalled_recovery), for the life
+        of the process from the first assignment."""
+        last_restart: dict[Any, float] = {}
+        while True:
+            await asyncio.sleep(self.settings.recovery_check_s)
+            try:
+                restarted = await faust_adapter.restart_stalled_recovery(self.app, self.settings.recovery_stall_s, last_restart)
+            except Exception as exc:  # noqa: BLE001 - mid-rebalance or stopping: the next check tries again
+                log.warning("table recovery check failed (%s: %s)", type(exc).__name__, exc)
+                continue
+            for p in restarted:
+                self.stats.recovery_restarts += 1
+                log.warning(
+                    "table recovery received nothing of %s[%d] for %.0f s (applied %d, needs %d; consumer position %s, "
+                    "paused %s, read offset %s, flow active %s): sought again from %d",
+                    p.topic, p.partition, self.settings.recovery_stall_s, p.offset, p.highwater, p.position,
+                    p.paused, p.read_offset, p.flow_active, max(p.offset, 0),
+                )
 
     async def _serve_metrics(self) -> None:
         """faust app task: ``/metrics`` in the app's loop for the life of the process (metrics_http.py)."""
@@ -257,6 +282,8 @@ class AdmissionProcessor:
         return lag
 
     async def _on_assigned(self, sender: Any, assigned: set[Any], **_: Any) -> None:
+        if self._recovery_watch is None:
+            self._recovery_watch = asyncio.get_running_loop().create_task(self._watch_recovery(), name="recovery-watch")
         self.timer.rescan_needed()
         mine = sorted(tp.partition for tp in assigned if tp.topic == self.topology.commands.name)
         # faust's recovery may start the stream while this runs: the agent waits for the offsets.

@@ -71,6 +71,15 @@ class ProcessorSettings:
     fault_exit_at: tuple[str, int] | None = setting(
         "CHATPLANE_FAULT_EXIT_AT", None, parse=_fault_point, expected="before-ledger-ack:N or after-ledger-ack:N"
     )
+    # Table recovery after a rebalance: a changelog partition recovery still needs records of but has
+    # received none of for this long is sought again from the last record recovery applied (see
+    # faust_adapter.restart_stalled_recovery); checked every ``recovery_check_s``.
+    recovery_stall_s: float = setting("CHATPLANE_PROCESSOR_RECOVERY_STALL_S", 15.0, gt=0)
+    recovery_check_s: float = setting("CHATPLANE_PROCESSOR_RECOVERY_CHECK_S", 1.0, gt=0)
+    # Fault injection for tests only: the first table recovery's changelog partitions are sought to
+    # their ends right after recovery sought them to where it starts reading, so it receives nothing
+    # (what faust-streaming was seen doing once a processor left under load). False in production.
+    fault_stall_first_recovery: bool = setting("CHATPLANE_FAULT_STALL_FIRST_RECOVERY", False)
     # Decided commands whose outputs one drain step sends after a single wait for their ledger
     # entries' acknowledgements: the extra round trip is paid per batch, not per command.
     output_batch_max: int = setting("CHATPLANE_PROCESSOR_OUTPUT_BATCH_MAX", 500, ge=1)

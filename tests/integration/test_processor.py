@@ -296,6 +296,32 @@ async def test_two_instances_split_partitions_and_a_rebalance_loses_or_doubles_n
     assert generations and all(len(g) == 1 for g in generations.values())
 
 
+async def test_a_table_recovery_that_receives_nothing_is_read_again_and_keeps_the_state(
+    kafka_bootstrap, topology, processor_factory, client
+):
+    """faust-streaming was seen recovering a table after a rebalance with fetches going out and no
+    changelog record delivered, for minutes (the agent decides nothing meanwhile). A test-only fault
+    reproduces that: the new processor's recovery finds its changelog partitions sought to their ends.
+    The processor reads them again from what recovery applied, and decides with the whole state."""
+    a = processor_factory()
+    a.start("pa")
+    await wait_until_deciding(client)
+    users = [f"stall-{i}" for i in range(16)]  # over most of the partitions
+    first = {u: await client.decide(submit(client, u, "k1")) for u in users}
+    assert all(o.kind is OutcomeKind.ADMITTED for o in first.values()), first
+    a.stop()
+    b = processor_factory(CHATPLANE_FAULT_STALL_FIRST_RECOVERY="1", CHATPLANE_PROCESSOR_RECOVERY_STALL_S="3")
+    b.start("pb")
+    await wait_until_deciding(client)
+    # The same keys again: answered from the recovered state (a table missing a user would admit anew).
+    again = {u: await client.decide(submit(client, u, "k1")) for u in users}
+    assert {u: (o.code, o.generation_id) for u, o in again.items()} == \
+        {u: (RejectionCode.GENERATION_IN_PROGRESS, first[u].generation_id) for u in users}
+    log = b.log_text()
+    restarted = [line for line in log.splitlines() if "table recovery received nothing of" in line]
+    assert restarted, log[-3000:]
+
+
 async def test_the_audit_reports_a_doubled_consume_and_an_over_limit_admission(kafka_bootstrap, topology):
     from tests.unit.ledger_dsl import Ledger
     from control_plane.policy import Policy

@@ -372,3 +372,68 @@ async def test_the_worker_logs_the_ready_line_the_table_recovery_test_waits_for(
     with caplog.at_level(logging.INFO):
         await worker.on_startup_finished()
     assert WORKER_READY_LINE in caplog.text, caplog.text
+
+
+# --- restart_stalled_recovery: the table recovery's state and the consumer's seek -------------------
+
+
+def test_app_tasks_start_only_after_the_first_table_recovery():
+    # Why the processor starts its recovery watch from the assignment signal, not as an app task.
+    source = inspect.getsource(faust.App.on_started)
+    assert source.index("_wait_for_table_recovery_completed") < source.index("on_started_init_extra_tasks")
+
+
+def test_recovery_keeps_the_state_restart_stalled_recovery_reads():
+    app = new_app()
+    new_table(app)
+    recovery = app.tables.recovery
+    for name in ("in_recovery", "active_tps", "active_offsets", "active_highwaters",
+                 "_recovery_started_at", "_active_events_received_at"):
+        assert hasattr(recovery, name), name
+    assert list(inspect.signature(recovery._seek_offsets).parameters) == ["consumer", "tps", "offsets", "title"]
+    consumer = app.consumer
+    for name in ("seek_wait", "position", "highwaters"):
+        assert inspect.iscoroutinefunction(getattr(consumer, name)), name
+    for name in ("resume_partitions", "resume_flow", "_paused_partitions", "_read_offset", "flow_active"):
+        assert hasattr(consumer, name), name
+    assert callable(app.flow_control.resume)
+
+
+async def test_restart_stalled_recovery_seeks_only_partitions_with_nothing_received_and_records_still_needed(monkeypatch):
+    app = new_app()
+    new_table(app)
+    recovery = app.tables.recovery
+    changelog = app.tables[USER_TO_LEDGER_TABLE].changelog_topic_name
+    stalled, fed, done = TP(changelog, 0), TP(changelog, 1), TP(changelog, 2)
+    now = faust_adapter.time.monotonic()
+    recovery.in_recovery = True
+    recovery._recovery_started_at = now - 20
+    recovery.active_tps = {stalled, fed, done}
+    recovery.active_offsets.update({stalled: 4, fed: 1, done: 9})
+    recovery.active_highwaters.update({stalled: 9, fed: 9, done: 9})
+    recovery._active_events_received_at[fed] = now - 1  # received a second ago
+    consumer = app.consumer
+    seeks: list[dict[TP, int]] = []
+
+    async def seek_wait(offsets: dict[TP, int]) -> None:
+        seeks.append(dict(offsets))
+
+    async def position(tp: TP) -> int:
+        return 10
+
+    monkeypatch.setattr(consumer, "seek_wait", seek_wait)
+    monkeypatch.setattr(consumer, "position", position)
+    consumer.pause_partitions([stalled])
+    consumer.stop_flow()
+    last: dict[Any, float] = {}
+
+    found = await faust_adapter.restart_stalled_recovery(app, 15.0, last)
+    assert seeks == [{stalled: 4}]
+    assert [(p.partition, p.offset, p.highwater, p.position, p.paused, p.flow_active) for p in found] == \
+        [(0, 4, 9, 10, True, False)]
+    assert stalled not in consumer._paused_partitions and consumer.flow_active
+    # Not again within the stall time; nothing when recovery is over.
+    assert await faust_adapter.restart_stalled_recovery(app, 15.0, last) == []
+    recovery.in_recovery = False
+    last.clear()
+    assert await faust_adapter.restart_stalled_recovery(app, 15.0, last) == [] and seeks == [{stalled: 4}]
