@@ -106,7 +106,7 @@ async def wait_all_finalized(edge: TestEdge, worker: Worker, gids: list[str]) ->
         where = collections.Counter(
             "never dispatched here" if (g, 1) not in worker.traces else
             f"declined:{worker.traces[(g, 1)].declined}" if worker.traces[(g, 1)].declined else
-            f"outcome:{worker.traces[(g, 1)].outcome} report:{getattr(worker.traces[(g, 1)].report, 'kind', None)}"
+            f"outcome:{worker.traces[(g, 1)].outcome} report_appended:{worker.traces[(g, 1)].report_appended}"
             for g in missing
         )
         print(f"!! {len(missing)} of {len(gids)} not finalized within {WAIT_S:.0f} s: {dict(where)}")

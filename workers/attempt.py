@@ -16,11 +16,13 @@ for a ``StopReason`` (``StopAttempt``, a ``cancel_requested`` renewal, a lost le
 worker shutdown). STOPPING: the stop is acknowledged by the engine's ``Finished(ABORTED)``; the slot is
 freed only after it. An engine that does not acknowledge, stalls, errs or runs past the duration limit
 ends the attempt as an ``AttemptFailure``. REPORTED: the final text went to the ``ResultSink`` before
-``ReportAttemptFinished`` with a closed ``FinishReason`` (usage also on cancel). No prompt or generated
-text is ever logged or put in a command.
+``ReportAttemptFinished`` with a closed ``FinishReason`` (usage also on cancel), appended with no
+``reply_to``: once Kafka has it, the processor decides it from the log, and the worker acts on nothing
+the answer would say. No prompt or generated text is ever logged or put in a command.
 
 The attempt touches its worker (``workers.worker.Worker``) only through ``AttemptHost``: the settings,
-engine, model, output check, sinks and measured rates, appending a command and awaiting its outcome,
+engine, model, output check, sinks and measured rates, appending a command and awaiting its outcome
+(or, for the report, only Kafka's acknowledgement),
 the prompt (published or asked of the edge), sending a delta, spooling an answer, watching for a stop
 (``StopAttempt`` on the control partition), counting a token, and giving its slot back.
 """
@@ -106,7 +108,7 @@ class AttemptState(Enum):
     RUNNING = "running"  # the engine generates, deltas stream, the lease is renewed
     STOPPING = "stopping"  # Generation.abort() called; waiting for the engine's Finished(ABORTED)
     ENDED = "ended"  # the engine finished, or the attempt failed (``Attempt.failure``)
-    REPORTED = "reported"  # the result was written and ReportAttemptFinished decided (or not answered)
+    REPORTED = "reported"  # the result was written and ReportAttemptFinished appended (or given up on)
     GAVE_UP = "gave_up"  # never ran: declined, not accepted, or stopped before acceptance
 
 
@@ -234,7 +236,9 @@ class AttemptTrace:
     input_tokens: int = 0  # the engine's own count (reported; the ledger bills the admission's)
     deltas_sent: int = 0
     outcome: FinishOutcome | None = None
-    report: Outcome | None = None
+    # Kafka acknowledged the attempt's ReportAttemptFinished in ``commands`` (False: not yet, or not
+    # after ``decision_attempts_max`` tries). The processor's decision is in the ledger, not here.
+    report_appended: bool = False
     authorized_at_ms: int = 0  # the dispatch's authorization (admission) time, processor clock (metrics)
 
     @property
@@ -275,6 +279,11 @@ class AttemptHost(Protocol):
 
     async def decide(self, command: Any, headers: tracing.Headers | None = None) -> Outcome | None:
         """Append ``command`` and await its outcome (bounded, retried); None: no answer."""
+        ...
+
+    async def append(self, command: Any, headers: tracing.Headers | None = None) -> bool:
+        """Append ``command`` (``reply_to`` None: no answer comes) and await only Kafka's
+        acknowledgement (bounded, retried); False: not acknowledged."""
         ...
 
     async def published_prompt(self, generation_id: str) -> tuple[ChatMessage, ...] | None:
@@ -381,11 +390,14 @@ class Attempt:
         return running, self.d.input_tokens, self.output_budget, self.tokens
 
     def _command(self, cls: type, **fields: Any) -> Any:
+        """A command of this attempt, answered on the worker's control partition unless ``fields``
+        says ``reply_to=None``."""
         d = self.d
+        if "reply_to" not in fields:
+            fields["reply_to"] = self.host.reply_to()
         return cls(
             command_id=uuid.uuid4().hex, user_id=d.user_id, issued_at_ms=now_ms(), generation_id=d.generation_id,
-            epoch=d.epoch, worker_id=self.settings.worker_id,
-            reply_to=self.host.reply_to(), **fields,
+            epoch=d.epoch, worker_id=self.settings.worker_id, **fields,
         )
 
     # --- before the engine runs ---------------------------------------------------------------------
@@ -775,10 +787,14 @@ class Attempt:
         ttft_ms = None
         if trace.accepted_at is not None and trace.engine_first_token_at is not None:
             ttft_ms = max(0, round((trace.engine_first_token_at - trace.accepted_at) * 1000))
-        # Reported also when fenced: the processor drops it and records LateReportIgnored.
-        trace.report = await self.host.decide(
+        # Reported also when fenced: the processor drops it and records LateReportIgnored. No reply_to:
+        # nothing here acts on the decision (the slot is freed either way, and the edge hears of the
+        # end from the processor), so the worker waits only until Kafka has the command; the
+        # processor decides it from the log. Not appended at all: the lease expires and the processor
+        # fences the epoch, as after a crash.
+        trace.report_appended = await self.host.append(
             self._command(
-                cmd.ReportAttemptFinished, outcome=outcome, input_tokens=inputs, output_tokens=tokens,
+                cmd.ReportAttemptFinished, reply_to=None, outcome=outcome, input_tokens=inputs, output_tokens=tokens,
                 finish_reason=reason, error_code=code if outcome is FinishOutcome.FAILED else None,
                 answer_spooled=spooled, last_sequence=self.sequence, ttft_ms=ttft_ms,
                 delivered_tokens=min(self.tokens_delivered, tokens),

@@ -5,7 +5,7 @@ Where it sits in the data flow::
     dispatch.<pool>.paid / .free --(consumer group <ns>.chatplane-workers.<pool>, pull-based)--> Worker
     Worker --PromptRequest--> edge inbox (dispatch.stream_to)   edge --PromptPayload--> worker-control
     Worker --AcceptAttempt / DeclineAttempt / RenewLease / ReportAttemptFinished--> commands
-    processor --Outcome, StopAttempt--> worker-control partition worker_control_partition(worker_id)
+    processor --Outcome (not of a report), StopAttempt--> worker-control partition worker_control_partition(worker_id)
     Worker --TextDelta--> edge inbox (dispatch.stream_to)      Worker --WorkerHeartbeat--> capacity
 
 The worker owns the Kafka clients, the slots and the control partition; each dispatch it takes runs
@@ -13,8 +13,10 @@ as one ``workers.attempt.Attempt`` (a state machine, drawn there), which uses th
 ``workers.attempt.AttemptHost`` (implemented here: ``decide``, ``request_prompt``, ``send_delta``,
 ``watch_stop``, ``free_slot`` and the rest, most under "what an attempt may use"). Commands are appended
 and their outcomes awaited through ``infra.runtime.command_client.CommandClient`` (which keys every
-command by its user id), on the worker's producer and its control partition. No prompt or generated
-text is ever logged or put in a command.
+command by its user id), on the worker's producer and its control partition; the report
+(``ReportAttemptFinished``) is appended with no ``reply_to`` (``append``): the worker acts on nothing the
+processor would answer, so it waits only for Kafka's acknowledgement. No prompt or generated text is
+ever logged or put in a command.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ TOKENS_PER_S_WINDOW_S = 10.0  # the heartbeat's measured rate is over this trail
 TOKEN_RATE_SAMPLES_MAX = 10_000
 PRODUCER_LINGER_MS = 0
 SPOOL_RETRY_BACKOFF_S = 0.2  # between failed sends of a conversation answer to the answers topic
+APPEND_RETRY_BACKOFF_S = 0.2  # between failed appends of a command no answer is awaited for (the report)
 COMMIT_ON_STOP_TIMEOUT_S = 5.0  # the last dispatch offsets are committed on shutdown within this long
 
 
@@ -323,6 +326,30 @@ class Worker:
         log.error("no decision for %s %s after %d attempts", command.type, command.command_id,
                   self.settings.decision_attempts_max)
         return None
+
+    async def append(self, command: Any, headers: tracing.Headers | None = None) -> bool:
+        """Append a command whose decision nobody here waits for (its ``reply_to`` is None, so the
+        processor sends no answer): True once Kafka acknowledged it in ``commands`` (acks=all), from
+        where the processor decides it, at least once. Each try is bounded by ``decision_timeout_s``;
+        at most ``decision_attempts_max`` tries, ``APPEND_RETRY_BACKOFF_S`` apart, with the same
+        command id (a try that timed out may still land: the processor decides a second copy as a
+        repeat, which changes nothing).
+        False: not acknowledged after them all."""
+        assert self.commands is not None and command.reply_to is None
+        tries = self.settings.decision_attempts_max
+        for attempt in range(1, tries + 1):
+            try:
+                async with asyncio.timeout(self.settings.decision_timeout_s):
+                    await self.commands.send(command, headers)
+                return True
+            except (TimeoutError, KafkaError) as exc:
+                log.warning("%s %s not appended (%s), try %d of %d", command.type, command.command_id,
+                            type(exc).__name__, attempt, tries)
+            if attempt < tries:
+                await asyncio.sleep(APPEND_RETRY_BACKOFF_S)
+        log.error("%s of %s epoch %d (command %s) not appended after %d tries", command.type, command.generation_id,
+                  command.epoch, command.command_id, tries)
+        return False
 
     def reply_to(self) -> ReplyTo:
         """A fresh reply address on this worker's control partition."""

@@ -2,13 +2,15 @@
 
 What workers must show: acceptance racing cancel, cancel while running (tokens after the stop, slot
 freed after the acknowledgement), kill -9 mid-stream (model_backend_error, partial, no second
-attempt, lease fencing; also through the real HTTP edge to the SSE client), and a late report from a
-fenced epoch dropped and recorded.
+attempt, lease fencing; also through the real HTTP edge to the SSE client), a late report from a
+fenced epoch dropped and recorded, and the report appended with no reply (decided from the log, no
+``Outcome`` on the worker-control topic).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import httpx_sse
@@ -18,13 +20,13 @@ from infra.runtime.topic_reader import read_topic
 from schemas import events as ev
 from schemas.codes import FinishOutcome, RejectionCode, RequestStatus
 from schemas import commands as cmd
-from schemas.messages import OutcomeKind, WorkerHeartbeat
+from schemas.messages import Outcome, OutcomeKind, WorkerHeartbeat
 from schemas.topics import Topology
-from schemas.wire import decode_message
+from schemas.wire import decode_ledger_entry, decode_message
 from tests.doubles import MemoryResultSink
 from infra.harness.models import SIM_POOL
 from infra.harness.processes import WorkerProcess, wait_until_deciding
-from infra.harness.worker_edge import TestEdge, now_ms, served, worker_settings
+from infra.harness.worker_edge import WAIT_S, TestEdge, now_ms, served, worker_settings
 from tests.integration.test_edge_harness import edge_settings, serve_edge
 from tests.integration.workers_harness import ledger_events
 from workers.engines.sim import SimConfig, SimulatedEngine
@@ -61,12 +63,26 @@ def user() -> str:
 
 async def failed_with_report(edge, worker: Worker, max_output_tokens: int, code: RejectionCode):
     """Submit for a new user; the generation must end failed with ``code``. Returns (final, trace)
-    once the worker's own report was answered."""
+    once Kafka acknowledged the worker's own report (the processor's decision of it is in the ledger:
+    ``ledger_entry``)."""
     gid = await edge.submit(user(), max_output_tokens=max_output_tokens)
     final = await edge.wait_finalized(gid)
     assert final.status is RequestStatus.FAILED and final.code is code, final
-    await edge.wait_for(lambda: worker.traces[(gid, 1)].report is not None, what="the worker's report")
+    await edge.wait_for(lambda: worker.traces[(gid, 1)].report_appended, what="the worker's report")
     return final, worker.traces[(gid, 1)]
+
+
+async def ledger_entry(kafka_bootstrap, topology, gid: str, command_type: str) -> ev.LedgerEntry:
+    """The ledger entry of the first ``command_type`` command about ``gid``, waiting (bounded) for the
+    processor to decide it: the worker waits only for Kafka to hold its report, not for its decision."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        for _, _, _, value in await read_topic(kafka_bootstrap, topology.ledger):
+            entry = decode_ledger_entry(value or b"")
+            if entry.command_type == command_type and any(e.generation_id == gid for e in entry.events):
+                return entry
+        assert time.monotonic() < deadline, f"no {command_type} of {gid} in the ledger within {WAIT_S:.0f} s"
+        await asyncio.sleep(0.2)
 
 
 async def test_a_generation_streams_from_the_sim_worker_with_usage_heartbeats_and_result(kafka_bootstrap, topology, edge):
@@ -120,6 +136,29 @@ async def test_a_prompt_published_beside_the_submit_spares_the_round_trip_to_the
         assert worker.traces[(published, 1)].input_tokens == worker.traces[(asked, 1)].input_tokens > 10
         assert first.input_tokens == second.input_tokens == 10
         assert worker.prompt_reader.found >= 1 and worker.prompt_reader.missed >= 1
+
+
+async def test_the_report_is_decided_from_the_log_and_answered_on_no_topic(kafka_bootstrap, topology, edge):
+    """The worker acts on nothing the processor would answer to its ``ReportAttemptFinished``, so it
+    appends the report with no ``reply_to``: the processor decides it from the log (its ledger entry
+    settles the generation) and writes no ``Outcome`` for it on the worker-control topic, while the
+    acceptance, which the worker waits for, is answered there."""
+    async with sim_worker(kafka_bootstrap, topology):
+        gid = await edge.submit(user())
+        final = await edge.wait_finalized(gid)
+        assert final.status is RequestStatus.COMPLETED
+        report = await ledger_entry(kafka_bootstrap, topology, gid, "ReportAttemptFinished")
+    # The worker has stopped: its attempt has ended, and with it any wait for an answer to the report.
+    kinds = [type(e) for e in report.events]
+    assert ev.UsageRecorded in kinds and ev.GenerationCompleted in kinds, kinds
+    accept = await ledger_entry(kafka_bootstrap, topology, gid, "AcceptAttempt")
+    answered = set()
+    for _, _, _, value in await read_topic(kafka_bootstrap, topology.worker_control):
+        message = decode_message(value or b"")
+        if isinstance(message, Outcome):
+            answered.add(message.command_id)
+    assert accept.command_id in answered  # the topic read is the one the worker is answered on
+    assert report.command_id not in answered
 
 
 async def test_cancel_ordered_before_acceptance_means_no_inference_starts(kafka_bootstrap, topology, edge):
@@ -199,7 +238,10 @@ async def test_lease_expiry_fences_a_silent_worker_and_its_late_report_is_droppe
         _, trace = await failed_with_report(edge, worker, 2000, RejectionCode.MODEL_BACKEND_ERROR)
         gid = trace.generation_id
         assert trace.stop_reason == "fenced"
-        assert trace.report.kind is OutcomeKind.REJECTED and trace.report.code is RejectionCode.STALE_ATTEMPT
+        # The worker's own report, decided from the log: dropped as from a fenced epoch.
+        report = await ledger_entry(kafka_bootstrap, topology, gid, "ReportAttemptFinished")
+        assert [type(e) for e in report.events] == [ev.LateReportIgnored], report
+        assert report.events[0].reason == "fenced_epoch" and report.events[0].worker_id == settings.worker_id
         received = len(edge.deltas[gid])
         await asyncio.sleep(0.3)
         assert len(edge.deltas[gid]) == received  # nothing more from the fenced epoch
@@ -368,7 +410,11 @@ async def test_max_generation_duration_and_a_stalled_engine_end_the_attempt(kafk
     settings = worker_settings(kafka_bootstrap, topology, engine_stall_max_s=1.0)
     async with Worker(settings, SimulatedEngine(stalls), served()) as worker:
         _, trace = await failed_with_report(edge, worker, 200, RejectionCode.MODEL_BACKEND_ERROR)
-        assert trace.report.kind is OutcomeKind.APPLIED
+        # The worker's report was applied: it settled the generation with the usage of what ran.
+        report = await ledger_entry(kafka_bootstrap, topology, trace.generation_id, "ReportAttemptFinished")
+        kinds = [type(e) for e in report.events]
+        assert ev.GenerationFailed in kinds and ev.LateReportIgnored not in kinds, kinds
+        assert [e.output_tokens for e in report.events if isinstance(e, ev.UsageRecorded)] == [3]
         assert trace.output_tokens == 3 and worker.free_slots == worker.slots
 
 
@@ -393,7 +439,7 @@ async def test_chunks_that_come_while_a_delta_is_in_flight_share_the_next_delta(
             gid = await edge.submit(user(), max_output_tokens=tokens + 10)
             final = await edge.wait_finalized(gid)
             assert final.status is RequestStatus.COMPLETED and final.output_tokens == tokens, final
-            await edge.wait_for(lambda: worker.traces[(gid, 1)].report is not None, what="the worker's report")
+            await edge.wait_for(lambda: worker.traces[(gid, 1)].report_appended, what="the worker's report")
             deltas = edge.deltas[gid]
             assert [d.sequence for d in deltas] == list(range(1, len(deltas) + 1))
             assert edge.text(gid) == want

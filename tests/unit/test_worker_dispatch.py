@@ -1,5 +1,6 @@
-"""The worker's pull order between the paid and free dispatch topics (``Worker._preferred_tier``) and
-its settled-offset bookkeeping (``_OffsetTracker``); no broker: nothing here connects."""
+"""The worker's pull order between the paid and free dispatch topics (``Worker._preferred_tier``), its
+settled-offset bookkeeping (``_OffsetTracker``) and its bounded append of a command no answer is awaited
+for (``Worker.append``); no broker: nothing here connects."""
 
 from __future__ import annotations
 
@@ -145,3 +146,62 @@ async def test_a_freed_slot_is_announced_by_a_heartbeat_at_once_not_at_the_next_
         loop.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await loop
+
+
+class _FailingProducer:
+    """Stands in for the producer: the first ``failures`` sends raise a KafkaError (or, with ``hang``,
+    never return); then every send is acknowledged."""
+
+    def __init__(self, failures: int, hang: bool = False) -> None:
+        self.failures, self.hang, self.tries = failures, hang, 0
+
+    async def send_and_wait(self, topic, value, key=None, partition=None, headers=None):
+        import asyncio
+
+        from aiokafka.errors import KafkaTimeoutError
+
+        self.tries += 1
+        if self.tries <= self.failures:
+            if self.hang:
+                await asyncio.Event().wait()
+            raise KafkaTimeoutError()
+        return None
+
+
+async def test_a_report_is_appended_with_no_reply_and_its_failures_retried_a_bounded_number_of_times(
+    monkeypatch, caplog
+):
+    """The report goes without ``reply_to``: the worker waits only for Kafka's acknowledgement. A send
+    that fails or hangs is tried again, at most ``decision_attempts_max`` times, each try bounded by
+    ``decision_timeout_s``; then it gives up and says so."""
+    import uuid
+
+    from infra.runtime.command_client import CommandClient
+    from schemas import commands as cmd
+    from schemas.codes import FinishOutcome
+    from workers import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "APPEND_RETRY_BACKOFF_S", 0.0)
+    settings = WorkerSettings(kafka_bootstrap="127.0.0.1:1", topology=Topology("unit"), worker_id="w-unit",
+                              decision_attempts_max=3, decision_timeout_s=0.05)
+
+    def report() -> cmd.ReportAttemptFinished:
+        return cmd.ReportAttemptFinished(
+            command_id=uuid.uuid4().hex, user_id="u", issued_at_ms=0, generation_id="gen_x", epoch=1,
+            worker_id="w-unit", outcome=FinishOutcome.COMPLETED, input_tokens=1, output_tokens=2, reply_to=None,
+        )
+
+    for producer, appended, tries in (
+        (_FailingProducer(2), True, 3),  # two failures, then acknowledged
+        (_FailingProducer(2, hang=True), True, 3),  # two hung sends, each cut at the decision timeout
+        (_FailingProducer(10), False, 3),  # never acknowledged: given up after three tries
+    ):
+        w = Worker(settings, SimulatedEngine(SimConfig()), served())
+        w.commands = CommandClient(settings.kafka_bootstrap, settings.topology, w.control.partition,
+                                   inbox_topic=w.control.topic, producer=producer, read_inbox=False)  # type: ignore[arg-type]
+        caplog.clear()
+        assert await w.append(report()) is appended
+        assert producer.tries == tries
+        gave_up = [r.getMessage() for r in caplog.records if "not appended after" in r.getMessage()]
+        assert len(gave_up) == (0 if appended else 1), gave_up
+        assert all(m.startswith("ReportAttemptFinished of gen_x epoch 1 ") and m.endswith("after 3 tries") for m in gave_up)
