@@ -1,22 +1,26 @@
-"""Outcome records: one content-free ``EdgeOutcome`` per admission request, on the outcomes topic.
+"""Outcome records: one content-free ``EdgeOutcome`` per admission request, sent in batches on the
+outcomes topic.
 
 Where this sits (docs/slo.md)::
 
     request --> OutcomeMiddleware (draft in the ASGI scope) --> route: admit() notes the decision,
                  |                                              errors note the refusal's code
-                 `-- response ended --> EdgeOutcome --> OutcomeLog (bounded buffer) --batches--> OUTCOMES
+                 `-- response ended --> EdgeOutcome --> OutcomeLog (bounded buffer) --EdgeOutcomeBatch--> OUTCOMES
 
 The edge's own refusals (invalid, unauthorized, rate limited, shed, a decision that did not come in
 time) and its latencies never reach the ledger; this record carries them to the SLO report
 (``python -m projections.reports.slo``). Only ids, codes and durations: no text, no token content, the user
 as an opaque digest.
 
-Recording never slows or fails a request: ``OutcomeLog.append`` puts the record in a buffer bounded
-by ``CHATPLANE_EDGE_OUTCOMES_BUFFER_MAX`` (full: the record is dropped and counted in
-``chatplane_edge_outcomes_dropped{reason="buffer_full"}``); a background task sends batches of at
-most ``CHATPLANE_EDGE_OUTCOMES_BATCH_MAX`` every ``CHATPLANE_EDGE_OUTCOMES_FLUSH_INTERVAL_S`` on the
-edge's producer (a failed send is counted as ``send_failed``); ``stop`` flushes what is left, for at
-most ``CHATPLANE_EDGE_OUTCOMES_FLUSH_TIMEOUT_S``. ``CHATPLANE_EDGE_OUTCOMES=0`` turns it off.
+Recording never slows or fails a request: ``OutcomeLog.append`` puts the outcome in a buffer bounded
+by ``CHATPLANE_EDGE_OUTCOMES_BUFFER_MAX`` (full: the outcome is dropped and counted in
+``chatplane_edge_outcomes_dropped{reason="buffer_full"}``); a background task takes at most
+``CHATPLANE_EDGE_OUTCOMES_BATCH_MAX`` outcomes every ``CHATPLANE_EDGE_OUTCOMES_FLUSH_INTERVAL_S`` and
+sends them on the edge's producer as one ``EdgeOutcomeBatch`` record, or several when they are more than
+``CHATPLANE_EDGE_OUTCOMES_PER_RECORD_MAX`` or their record would pass ``OUTCOME_BATCH_BYTES_MAX``
+(so a busy edge writes about one record per flush, not one per request). Each outcome of a record
+whose send failed is counted as ``send_failed``; ``stop`` flushes what is left, for at most
+``CHATPLANE_EDGE_OUTCOMES_FLUSH_TIMEOUT_S``. ``CHATPLANE_EDGE_OUTCOMES=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -33,8 +37,15 @@ from aiokafka import AIOKafkaProducer
 
 from edge.metrics import EdgeMetrics
 from schemas.codes import CancelReason, RejectionCode, RequestStatus
-from schemas.outcomes import AdmissionResult, EdgeOutcome, OutcomeRoute, user_ref
-from schemas.wire import encode
+from schemas.outcomes import (
+    OUTCOME_BATCH_BYTES_MAX,
+    OUTCOMES_PER_RECORD_DEFAULT,
+    AdmissionResult,
+    EdgeOutcome,
+    OutcomeRoute,
+    encode_outcomes,
+    user_ref,
+)
 
 log = logging.getLogger("chatplane.edge.outcomes")
 
@@ -145,17 +156,24 @@ def build_record(
 
 
 class OutcomeLog:
-    """The bounded, non-blocking buffer of records and the task that sends them in batches."""
+    """The bounded, non-blocking buffer of outcomes and the task that sends them, many to a record.
 
-    def __init__(self, topic: str, buffer_max: int, batch_max: int, flush_interval_s: float, flush_timeout_s: float, metrics: EdgeMetrics) -> None:
+    ``start`` takes the producer to send on (the edge's; anything with aiokafka's ``send``)."""
+
+    def __init__(
+        self, topic: str, buffer_max: int, batch_max: int, flush_interval_s: float, flush_timeout_s: float,
+        metrics: EdgeMetrics, per_record_max: int = OUTCOMES_PER_RECORD_DEFAULT,
+    ) -> None:
         self.topic = topic
         self.buffer_max = buffer_max
         self.batch_max = batch_max
+        self.per_record_max = per_record_max
         self.flush_interval_s = flush_interval_s
         self.flush_timeout_s = flush_timeout_s
         self.metrics = metrics
         self.buffer: deque[EdgeOutcome] = deque()
-        self.sent = 0
+        self.sent = 0  # outcomes delivered
+        self.records_sent = 0  # records delivered (each holds one or more outcomes)
         self._producer: AIOKafkaProducer | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -183,22 +201,45 @@ class OutcomeLog:
             while self.buffer:
                 await self._send_batch()
 
+    def _records(self, outcomes: list[EdgeOutcome]) -> list[tuple[list[EdgeOutcome], bytes]]:
+        """``outcomes`` as batch records: ``per_record_max`` to a record, a record over
+        ``OUTCOME_BATCH_BYTES_MAX`` split in halves."""
+        out: list[tuple[list[EdgeOutcome], bytes]] = []
+        pending = [outcomes[i : i + self.per_record_max] for i in range(0, len(outcomes), self.per_record_max)]
+        pending.reverse()
+        while pending:
+            chunk = pending.pop()
+            value = encode_outcomes(chunk)
+            if len(value) <= OUTCOME_BATCH_BYTES_MAX:
+                out.append((chunk, value))
+            elif len(chunk) > 1:
+                half = len(chunk) // 2
+                pending += [chunk[half:], chunk[:half]]
+            else:  # one outcome is a few hundred bytes: not reached while its fields stay ids and codes
+                self.metrics.outcomes_dropped.labels("send_failed").inc()
+                log.warning("outcome of %d bytes dropped: over %d", len(value), OUTCOME_BATCH_BYTES_MAX)
+        return out
+
     async def _send_batch(self) -> None:
-        """Send up to ``batch_max`` buffered records and wait for their delivery."""
+        """Send up to ``batch_max`` buffered outcomes (one record, or a few when over the bounds of one)
+        and wait for their delivery."""
         assert self._producer is not None
         batch = [self.buffer.popleft() for _ in range(min(self.batch_max, len(self.buffer)))]
         futures = []
-        for record in batch:
+        counts = []
+        for outcomes, value in self._records(batch):
             try:
-                futures.append(await self._producer.send(self.topic, encode(record), key=record.request_id.encode()))
+                futures.append(await self._producer.send(self.topic, value, key=outcomes[0].edge_id.encode()))
+                counts.append(len(outcomes))
             except Exception as exc:  # noqa: BLE001 - a broker outage drops records, never requests
-                self.metrics.outcomes_dropped.labels("send_failed").inc()
+                self.metrics.outcomes_dropped.labels("send_failed").inc(len(outcomes))
                 log.debug("outcome send failed: %s", type(exc).__name__)
-        for result in await asyncio.gather(*futures, return_exceptions=True):
+        for count, result in zip(counts, await asyncio.gather(*futures, return_exceptions=True), strict=True):
             if isinstance(result, BaseException):
-                self.metrics.outcomes_dropped.labels("send_failed").inc()
+                self.metrics.outcomes_dropped.labels("send_failed").inc(count)
             else:
-                self.sent += 1
+                self.sent += count
+                self.records_sent += 1
 
     async def stop(self) -> None:
         """Stop the task, then flush what is buffered (at most ``flush_timeout_s``)."""
@@ -217,7 +258,7 @@ class OutcomeLog:
             left = len(self.buffer)
             self.buffer.clear()
             self.metrics.outcomes_dropped.labels("send_failed").inc(left)
-            log.warning("outcome flush on shutdown timed out: %d records dropped", left)
+            log.warning("outcome flush on shutdown timed out: %d outcomes dropped", left)
 
 
 class OutcomeMiddleware:

@@ -16,6 +16,7 @@ from control_plane.policy import Policy
 from edge.client_ip import IPNetwork, parse_networks
 from infra.runtime.gc_tuning import GC_GEN0_THRESHOLD_DEFAULT
 from infra.runtime.settings import DEV_MODE_ENV, SettingsError, env_var, kafka_bootstrap_setting, policy_from_env, setting
+from schemas.outcomes import OUTCOMES_PER_RECORD_DEFAULT
 from schemas.topics import Topology
 
 # Built-in secrets, used only in development mode (CHATPLANE_DEV_MODE=1, set by `make up` and the tests)
@@ -182,12 +183,15 @@ class EdgeSettings:
     result_cache_bytes_max: int = setting("CHATPLANE_EDGE_RESULT_CACHE_BYTES_MAX", 64 * 1024 * 1024, ge=0)
 
     # Outcome records (edge/outcomes.py, docs/slo.md): one content-free EdgeOutcome per admission request
-    # on the outcomes topic, for the SLO report. Buffered (at most buffer_max records; a full buffer
+    # on the outcomes topic, for the SLO report. Buffered (at most buffer_max outcomes; a full buffer
     # drops and counts, never blocks a request), sent in batches of at most batch_max every flush
-    # interval, and flushed on shutdown for at most the flush timeout.
+    # interval, and flushed on shutdown for at most the flush timeout. A batch goes out as one
+    # EdgeOutcomeBatch record per per_record_max outcomes (the default, 200, fits Kafka's 1 MiB record
+    # limit even at 4 KiB an outcome; one is about 500 bytes); a record over the byte bound is split.
     outcomes: bool = setting("CHATPLANE_EDGE_OUTCOMES", True)
     outcomes_buffer_max: int = setting("CHATPLANE_EDGE_OUTCOMES_BUFFER_MAX", 10_000, ge=1)
     outcomes_batch_max: int = setting("CHATPLANE_EDGE_OUTCOMES_BATCH_MAX", 500, ge=1)
+    outcomes_per_record_max: int = setting("CHATPLANE_EDGE_OUTCOMES_PER_RECORD_MAX", OUTCOMES_PER_RECORD_DEFAULT, ge=1)
     outcomes_flush_interval_s: float = setting("CHATPLANE_EDGE_OUTCOMES_FLUSH_INTERVAL_S", 0.5, gt=0)
     outcomes_flush_timeout_s: float = setting("CHATPLANE_EDGE_OUTCOMES_FLUSH_TIMEOUT_S", 5.0, gt=0)
 

@@ -90,11 +90,13 @@ class Edge:
             background=self.background, prompts=self.prompts, retention=self.retention,
         )
         self.presence = PresenceBeacon(self.edge_id, settings.topology, settings.presence_interval_s, self.metrics)
-        # One content-free record per admission request, for the SLO report (edge/outcomes.py).
+        # One content-free outcome per admission request, sent many to a record, for the SLO report
+        # (edge/outcomes.py).
         self.outcomes = (
             OutcomeLog(
                 settings.topology.outcomes.name, settings.outcomes_buffer_max, settings.outcomes_batch_max,
                 settings.outcomes_flush_interval_s, settings.outcomes_flush_timeout_s, self.metrics,
+                per_record_max=settings.outcomes_per_record_max,
             )
             if settings.outcomes
             else None

@@ -1,32 +1,39 @@
-"""Edge outcomes: one content-free record per admission request, on the ``outcomes`` topic.
+"""Edge outcomes: one content-free ``EdgeOutcome`` per admission request, on the ``outcomes`` topic.
 
 Where this sits (docs/slo.md)::
 
-    client --POST /v1/generations, /v1/chat/completions--> edge --EdgeOutcome(key request_id)--> OUTCOMES
-                                                                                      |
-    processor, workers --LedgerEntry--> LEDGER -------------------------------------+--> projections.reports.slo
+    client --POST /v1/generations, /v1/chat/completions--> edge --EdgeOutcomeBatch(key edge_id)--> OUTCOMES
+                                                                                         |
+    processor, workers --LedgerEntry--> LEDGER ----------------------------------------+--> projections.reports.slo
 
 Refusals the edge makes itself (invalid, unauthorized, rate limited, shed, a decision that did not
-come in time) and the edge-side latencies never reach the ledger, so the edge appends this record for
+come in time) and the edge-side latencies never reach the ledger, so the edge records an outcome for
 every request to an admission route, refused or not, when its response has ended. It carries ids,
 codes and durations only: no prompt or output text, no token content, no bearer credential, and the
 user only as an opaque digest (``user_ref``).
+
+The edge sends its buffered outcomes together: one ``EdgeOutcomeBatch`` record per flush (at most
+``CHATPLANE_EDGE_OUTCOMES_PER_RECORD_MAX`` outcomes and ``OUTCOME_BATCH_BYTES_MAX`` bytes each), not
+one record per request. Records written before the batch, one bare ``EdgeOutcome`` each (key
+request_id), may still be in the topic: ``decode_outcomes`` reads both forms.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cache
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import orjson
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from schemas.codes import CancelReason, RejectionCode, RequestStatus
 
 OUTCOME_SCHEMA_VERSION = 1
+OUTCOME_BATCH_SCHEMA_VERSION = 1
 # Digest size of ``user_ref`` (bytes): enough to tell users apart in a report, not an id to look up.
 USER_REF_DIGEST_BYTES = 8
 
@@ -92,9 +99,29 @@ class EdgeOutcome:
     cancel_reason: CancelReason | None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EdgeOutcomeBatch:
+    """One record on the outcomes topic: the outcomes one edge sent together (one flush of its buffer,
+    split when over ``CHATPLANE_EDGE_OUTCOMES_PER_RECORD_MAX`` or ``OUTCOME_BATCH_BYTES_MAX``), in the
+    order their responses ended. Each outcome is complete on its own (it names its edge)."""
+
+    type: Literal["EdgeOutcomeBatch"] = "EdgeOutcomeBatch"
+    schema_version: int = OUTCOME_BATCH_SCHEMA_VERSION
+    outcomes: tuple[EdgeOutcome, ...]
+
+
 EdgeOutcome.__pydantic_config__ = {"extra": "forbid"}  # type: ignore[attr-defined]
-# Largest outcome record accepted (one is a few hundred bytes).
+EdgeOutcomeBatch.__pydantic_config__ = {"extra": "forbid"}  # type: ignore[attr-defined]
+# Largest outcome accepted (one is about 300 to 550 bytes encoded), alone in a record of the old form
+# or as one of a batch's.
 OUTCOME_BYTES_MAX = 4 * 1024
+# Largest batch record accepted, and the size past which the edge splits a batch in two: Kafka's default
+# limit on one record (the broker's message.max.bytes and the producer's max_request_size, 1 MiB) less
+# room for the record's own overhead.
+OUTCOME_BATCH_BYTES_MAX = 1024 * 1024 - 16 * 1024
+# A default of outcomes per batch record that fits OUTCOME_BATCH_BYTES_MAX even if every outcome took
+# OUTCOME_BYTES_MAX: 200 x 4 KiB = 800 KiB (about 100 KiB in practice).
+OUTCOMES_PER_RECORD_DEFAULT = 200
 
 
 @cache
@@ -102,13 +129,20 @@ def _adapter() -> TypeAdapter[EdgeOutcome]:
     return TypeAdapter(EdgeOutcome)
 
 
+@cache
+def _record_adapter() -> TypeAdapter[Any]:
+    return TypeAdapter(Annotated[Union[EdgeOutcomeBatch, EdgeOutcome], Field(discriminator="type")])
+
+
 def outcome_json_schema() -> dict[str, Any]:
-    """The OUTCOMES topic's record, for readers in other languages (``schemas.export``)."""
-    schema = _adapter().json_schema()
+    """The OUTCOMES topic's record, either form, for readers in other languages (``schemas.export``)."""
+    schema = _record_adapter().json_schema()
     schema["description"] = (
-        "One record per admission request on the chatplane.outcomes topic (key: request_id), appended by "
-        "the edge when the response ended; ids, codes and durations only. " + (schema.get("description") or "")
-    ).strip()
+        "A record on the chatplane.outcomes topic: an EdgeOutcomeBatch (key: edge_id), the admission "
+        "requests' outcomes one edge sent together, or, in records written before batches, one EdgeOutcome "
+        "(key: request_id). An EdgeOutcome is appended by the edge when the response ended; ids, codes and "
+        "durations only."
+    )
     return schema
 
 
@@ -127,6 +161,52 @@ def outcome_from_dict(doc: dict[str, Any]) -> EdgeOutcome:
 
 
 def decode_outcome(data: bytes | str) -> EdgeOutcome:
+    """One outcome in the old form (a bare ``EdgeOutcome`` record)."""
     if len(data) > OUTCOME_BYTES_MAX:
         raise ValueError(f"outcome record of {len(data)} bytes exceeds {OUTCOME_BYTES_MAX}")
     return outcome_from_dict(orjson.loads(data))
+
+
+def outcomes_from_dict(doc: dict[str, Any]) -> list[EdgeOutcome]:
+    """The outcomes of a parsed outcomes-topic record of either form (``ValueError`` otherwise)."""
+    kind = doc.get("type")
+    if kind == "EdgeOutcome":
+        return [outcome_from_dict(doc)]
+    if kind != "EdgeOutcomeBatch":
+        raise ValueError(f"not an EdgeOutcomeBatch or EdgeOutcome: type {kind!r}"[:120])
+    version = doc.get("schema_version", 1)
+    if version != OUTCOME_BATCH_SCHEMA_VERSION:
+        raise ValueError(f"unsupported EdgeOutcomeBatch schema_version {version!r}"[:120])
+    if set(doc) - {"type", "schema_version", "outcomes"}:
+        raise ValueError(f"unexpected field in EdgeOutcomeBatch: {sorted(set(doc) - {'type', 'schema_version', 'outcomes'})[0]}"[:120])
+    items = doc.get("outcomes")
+    if not isinstance(items, list):
+        raise ValueError("field outcomes is not a list")
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValueError(f"outcomes.{i} is not a JSON object")
+        try:
+            out.append(outcome_from_dict(item))
+        except ValueError as exc:
+            raise ValueError(f"outcomes.{i}: {exc}"[:200]) from None
+    return out
+
+
+def decode_outcomes(data: bytes | str) -> list[EdgeOutcome]:
+    """The outcomes of one outcomes-topic record: an ``EdgeOutcomeBatch``, or one ``EdgeOutcome`` in
+    the old form (records written before batches)."""
+    if len(data) > OUTCOME_BATCH_BYTES_MAX:
+        raise ValueError(f"outcome record of {len(data)} bytes exceeds {OUTCOME_BATCH_BYTES_MAX}")
+    doc = orjson.loads(data)
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    if doc.get("type") == "EdgeOutcome":
+        return [decode_outcome(data)]
+    return outcomes_from_dict(doc)
+
+
+def encode_outcomes(outcomes: Sequence[EdgeOutcome]) -> bytes:
+    """One batch record of ``outcomes`` (the writer splits a list whose record would exceed
+    ``OUTCOME_BATCH_BYTES_MAX``)."""
+    return orjson.dumps(EdgeOutcomeBatch(outcomes=tuple(outcomes)))

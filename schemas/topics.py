@@ -13,7 +13,7 @@ Data flow::
     workers --EDGE_INBOX--> edge (deltas);  workers --CAPACITY--> edge admission
     workers --ANSWERS(user_id)--> history writer --Cassandra, then CommitAnswer--> COMMANDS
     edges --EDGE_PRESENCE--> admission processors (liveness leases of the edges holding readers)
-    edges --OUTCOMES(request_id)--> projections.reports.slo (one content-free record per admission request)
+    edges --OUTCOMES(edge_id)--> projections.reports.slo (content-free outcomes, one per admission request, many to a record)
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ DEAD_LETTER = TopicSpec(
     "chatplane.dead-letter", DEAD_LETTER_PARTITIONS, 14 * DAY_MS, segment_ms=FINGERPRINT_SEGMENT_MS
 )
 
-# One EdgeOutcome per admission request (schemas/outcomes.py: ids, codes, durations; no text), read by
-# the SLO report (projections/reports/slo, docs/slo.md): kept past a 30-day objective window.
+# One EdgeOutcome per admission request, sent many to an EdgeOutcomeBatch record (schemas/outcomes.py:
+# ids, codes, durations; no text), read by the SLO report (projections/reports/slo, docs/slo.md): kept past a 30-day objective window.
 OUTCOMES = TopicSpec("chatplane.outcomes", OUTCOMES_PARTITIONS, 35 * DAY_MS)
 
 # Tiers: one dispatch topic per (pool, tier); the pools are the model catalog's

@@ -127,6 +127,9 @@ async def test_the_report_counts_what_the_edge_served(kafka_bootstrap, topology,
     lines = [json.loads(line) for line in (tmp_path / "dump.jsonl").read_text().splitlines()]
     usage = [e for line in lines if line["type"] == "LedgerEntry" for e in line["events"] if e["type"] == "UsageRecorded"]
     assert len(usage) == 3 and all(isinstance(u["ttft_ms"], int) and u["ttft_ms"] >= 0 for u in usage), usage
-    outcomes = [line for line in lines if line["type"] == "EdgeOutcome"]
+    # The edge sent its six outcomes together: one batch record (the flush on shutdown), not six.
+    batches = [line for line in lines if line["type"] == "EdgeOutcomeBatch"]
+    assert len(batches) == 1 and not any(line["type"] == "EdgeOutcome" for line in lines), [line["type"] for line in lines]
+    outcomes = [x for batch in batches for x in batch["outcomes"]]
     assert sorted(x["http_status"] for x in outcomes) == [200, 200, 200, 400, 401, 429]
     assert not any("Hello" in json.dumps(x) for x in outcomes)

@@ -36,3 +36,11 @@ def test_usage_schema_has_the_fields_analysts_need() -> None:
     assert needed <= set(schema["properties"])
     assert needed <= set(schema["required"]) | {"type"}
     assert schema["properties"]["type"]["const"] == "UsageRecorded"
+
+
+def test_outcomes_schema_describes_the_batch_record_and_the_old_one_record_form() -> None:
+    schema = json.loads((export.DEFAULT_DIR / "outcomes.json").read_text(encoding="utf-8"))
+    assert {"EdgeOutcomeBatch", "EdgeOutcome"} <= set(schema["$defs"])
+    assert set(schema["discriminator"]["mapping"]) == {"EdgeOutcomeBatch", "EdgeOutcome"}
+    batch = schema["$defs"]["EdgeOutcomeBatch"]
+    assert batch["properties"]["outcomes"]["items"] == {"$ref": "#/$defs/EdgeOutcome"}

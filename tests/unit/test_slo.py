@@ -23,9 +23,11 @@ Every admitted decision above not marked otherwise took <= 150 ms.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
+import orjson
 import pytest
 
 from edge.metrics import EdgeMetrics
@@ -41,9 +43,17 @@ from projections.reports.slo.compute import (
     compute,
     nearest_rank,
 )
-from projections.reports.slo.read import read_file
+from projections.reports.slo.read import decode_records, outcomes_in, read_file
 from schemas.codes import RejectionCode
-from schemas.outcomes import AdmissionResult, EdgeOutcome, OutcomeRoute, decode_outcome
+from schemas.outcomes import (
+    OUTCOME_BATCH_BYTES_MAX,
+    AdmissionResult,
+    EdgeOutcome,
+    OutcomeRoute,
+    decode_outcome,
+    decode_outcomes,
+    encode_outcomes,
+)
 from schemas.wire import encode
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "slo_ledger.jsonl"
@@ -197,3 +207,134 @@ def test_a_full_outcome_buffer_drops_and_counts_without_blocking():
     assert [log.append(record) for _ in range(3)] == [True, True, False]
     assert len(log.buffer) == 2
     assert metrics.registry.get_sample_value("chatplane_edge_outcomes_dropped_total", {"reason": "buffer_full"}) == 1.0
+
+
+def _outcome(i: int = 0, edge_id: str = "e") -> EdgeOutcome:
+    return EdgeOutcome(
+        request_id=f"req_{i}", edge_id=edge_id, route=OutcomeRoute.GENERATIONS, user_ref="", generation_id="",
+        stream=None, result=AdmissionResult.REFUSED, code=RejectionCode.INVALID_REQUEST, http_status=400,
+        received_at_ms=T0 + i, decision_ms=1.0, ttft_ms=None, total_ms=1.0, final_status=None, cancel_reason=None,
+    )
+
+
+def test_a_batch_record_round_trips_and_the_old_one_record_form_still_reads():
+    outcomes = [_outcome(i) for i in range(3)]
+    data = encode_outcomes(outcomes)
+    assert orjson.loads(data)["type"] == "EdgeOutcomeBatch"
+    assert decode_outcomes(data) == outcomes
+    assert outcomes_in(data) == 3
+    # A record written before batches: one bare EdgeOutcome.
+    old = encode(outcomes[0])
+    assert decode_outcomes(old) == [outcomes[0]] == [decode_outcome(old)]
+    assert outcomes_in(old) == 1
+    assert decode_outcomes(encode_outcomes([])) == []
+
+
+@pytest.mark.parametrize(
+    ("doc", "reason"),
+    [
+        ({"type": "Nope"}, "not an EdgeOutcomeBatch or EdgeOutcome"),
+        ({"type": "EdgeOutcomeBatch", "schema_version": 2, "outcomes": []}, "unsupported EdgeOutcomeBatch schema_version"),
+        ({"type": "EdgeOutcomeBatch", "schema_version": 1, "outcomes": {}}, "field outcomes is not a list"),
+        ({"type": "EdgeOutcomeBatch", "schema_version": 1, "outcomes": [], "extra": 1}, "unexpected field"),
+        ({"type": "EdgeOutcomeBatch", "schema_version": 1, "outcomes": [1]}, "outcomes.0 is not a JSON object"),
+        ({"type": "EdgeOutcomeBatch", "schema_version": 1, "outcomes": [{"type": "EdgeOutcome", "schema_version": 1}]},
+         "outcomes.0: invalid field"),
+    ],
+)
+def test_an_invalid_batch_record_is_refused_with_its_reason(doc, reason):
+    with pytest.raises(ValueError, match=reason):
+        decode_outcomes(orjson.dumps(doc))
+
+
+def test_an_oversized_batch_record_is_refused_unparsed():
+    with pytest.raises(ValueError, match="exceeds"):
+        decode_outcomes(b" " * (OUTCOME_BATCH_BYTES_MAX + 1))
+
+
+def test_the_report_is_the_same_from_batch_records_and_from_old_ones(report):
+    """The fixture's outcomes (old form) regrouped into batch records, mixed with one old-form line and
+    the ledger entries, give the same figures."""
+    lines = FIXTURE.read_bytes().splitlines()
+    outcome_lines = [line for line in lines if orjson.loads(line)["type"] == "EdgeOutcome"]
+    others = [line for line in lines if orjson.loads(line)["type"] != "EdgeOutcome"]
+    outcomes = [decode_outcome(line) for line in outcome_lines[1:]]
+    batches = [encode_outcomes(outcomes[i : i + 10]) for i in range(0, len(outcomes), 10)]
+    records = decode_records([outcome_lines[0], *batches, *others], source="mixed")
+    assert len(records.outcomes) == 28 and len(records.entries) == 30 and records.undecodable == 0
+    again = compute(records.outcomes, records.entries, T0, T0 + 10 * MIN, 5 * MIN)
+    assert again.as_dict() == report.as_dict()
+
+
+class _RecordingProducer:
+    """aiokafka's ``send`` as OutcomeLog uses it: each call is one Kafka record, delivered at once
+    (or, with ``fail``, failed on delivery)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.records: list[tuple[str, bytes, bytes | None]] = []
+        self.fail = fail
+
+    async def send(self, topic: str, value: bytes, key: bytes | None = None) -> asyncio.Future[None]:
+        self.records.append((topic, value, key))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.fail:
+            done.set_exception(RuntimeError("broker gone"))
+        else:
+            done.set_result(None)
+        return done
+
+
+async def test_n_requests_through_the_outcome_log_cost_fewer_than_n_records():
+    n = 50
+    metrics = EdgeMetrics()
+    log = OutcomeLog("t", buffer_max=1000, batch_max=500, flush_interval_s=0.05, flush_timeout_s=1.0, metrics=metrics)
+    producer = _RecordingProducer()
+    log.start(producer)  # type: ignore[arg-type]
+    outcomes = [_outcome(i) for i in range(n)]
+    for o in outcomes:
+        assert log.append(o)
+    async with asyncio.timeout(5):
+        while log.sent < n:
+            await asyncio.sleep(0.01)
+    await log.stop()
+    assert len(producer.records) < n
+    assert len(producer.records) == 1 and log.records_sent == 1
+    topic, value, key = producer.records[0]
+    assert (topic, key) == ("t", b"e")
+    assert decode_outcomes(value) == outcomes  # every outcome, in order
+    assert metrics.registry.get_sample_value("chatplane_edge_outcomes_dropped_total", {"reason": "send_failed"}) in (None, 0.0)
+
+
+async def test_the_outcome_log_splits_a_flush_at_the_per_record_maximum_and_at_the_byte_bound(monkeypatch):
+    log = OutcomeLog("t", buffer_max=1000, batch_max=500, flush_interval_s=60, flush_timeout_s=1.0, metrics=EdgeMetrics(),
+                     per_record_max=20)
+    producer = _RecordingProducer()
+    log.start(producer)  # type: ignore[arg-type]
+    outcomes = [_outcome(i) for i in range(45)]
+    for o in outcomes:
+        log.append(o)
+    await log.stop()  # the flush on shutdown
+    assert [len(decode_outcomes(v)) for _, v, _ in producer.records] == [20, 20, 5]
+    assert [o for _, v, _ in producer.records for o in decode_outcomes(v)] == outcomes
+    assert (log.sent, log.records_sent) == (45, 3)
+
+    # A record over the byte bound is split in halves until each fits.
+    import edge.outcomes as module
+
+    one = len(encode_outcomes([outcomes[0]]))
+    monkeypatch.setattr(module, "OUTCOME_BATCH_BYTES_MAX", 4 * one)
+    records = log._records(outcomes[:20])
+    assert all(len(v) <= 4 * one for _, v in records) and len(records) > 1
+    assert [o for chunk, _ in records for o in chunk] == outcomes[:20]
+
+
+async def test_a_failed_batch_send_counts_each_of_its_outcomes():
+    metrics = EdgeMetrics()
+    log = OutcomeLog("t", buffer_max=1000, batch_max=500, flush_interval_s=60, flush_timeout_s=1.0, metrics=metrics,
+                     per_record_max=4)
+    log.start(_RecordingProducer(fail=True))  # type: ignore[arg-type]
+    for i in range(10):
+        log.append(_outcome(i))
+    await log.stop()
+    assert metrics.registry.get_sample_value("chatplane_edge_outcomes_dropped_total", {"reason": "send_failed"}) == 10.0
+    assert (log.sent, log.records_sent) == (0, 0)

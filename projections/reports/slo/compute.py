@@ -2,7 +2,7 @@
 
 Where this sits (docs/slo.md)::
 
-    OUTCOMES (EdgeOutcome, one per admission request) --+
+    OUTCOMES (EdgeOutcome per request, from batches)   --+
     LEDGER (LedgerEntry: AttemptAccepted, terminals,   --+--> compute(...) --> Report (overall, per bucket)
             UsageRecorded)                                      (no Kafka, no clock: tests feed a recorded file)
 

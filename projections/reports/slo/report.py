@@ -4,10 +4,10 @@
         [--chart out.png] [--bucket 5m] [--dump records.jsonl]
     python -m projections.reports.slo --file records.jsonl [--from ...] [--to ...] [--json]
 
-Reads the outcomes topic (``EdgeOutcome``) and the ledger topic (``LedgerEntry``) between the times
-(``projections.reports.slo.read``; not logs), or a recorded dump of them (``--file``, one JSON record per
-line, as ``--dump`` writes it), and prints the four objectives (``projections.reports.slo.compute``) as a
-table or JSON, overall and per bucket. Exit status 0 with a report, 2 for a bad argument or setting.
+Reads the outcomes topic (``EdgeOutcomeBatch``, or one ``EdgeOutcome`` in older records) and the ledger
+topic (``LedgerEntry``) between the times (``projections.reports.slo.read``; not logs), or a recorded dump
+of them (``--file``, one JSON record per line, as ``--dump`` writes it), and prints the four objectives
+(``projections.reports.slo.compute``) as a table or JSON, overall and per bucket. Exit status 0 with a report, 2 for a bad argument or setting.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ from schemas.topics import Topology
 class SloSettings:
     kafka_bootstrap: str = kafka_bootstrap_setting()
     topology: Topology = setting("CHATPLANE_NAMESPACE", Topology(""), parse=Topology, expected="a namespace")
-    # Most records read from each topic (outcomes, ledger); past it the report stops reading and says
-    # it is truncated rather than hold an unbounded window in memory.
+    # Most records read from each topic (outcomes, ledger; a batch of outcomes counts as the outcomes it
+    # holds); past it the report stops reading and says it is truncated rather than hold an unbounded
+    # window in memory.
     records_max: int = setting("CHATPLANE_SLO_RECORDS_MAX", 2_000_000, ge=1)
     # How far past --to the topics are read: the outcome of a request that arrived before --to is
     # written when its response ends, and a generation accepted before --to ends later.
