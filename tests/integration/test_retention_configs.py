@@ -4,6 +4,8 @@ re-applies the configs to existing topics)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 
 import pytest
@@ -35,11 +37,27 @@ def expected(spec: T.TopicSpec, broker: dict[str, str]) -> dict[str, str]:
     return {k: spec.configs().get(k, broker[k]) for k in CONFIG_KEYS}
 
 
+CONFIGS_SEEN_TIMEOUT_S = 30.0
+
+
+async def configs_as(kafka_admin, specs, want) -> dict[str, dict[str, str]]:
+    """The broker's configs once every topic's are ``want(spec, configs)``, or the last read after
+    ``CONFIGS_SEEN_TIMEOUT_S``. An alter is answered once the controller committed it; the broker
+    describing the topic applies it from its metadata log a moment later (seen under load: a read
+    right after the answer still showed the previous value)."""
+    deadline = time.monotonic() + CONFIGS_SEEN_TIMEOUT_S
+    while True:
+        got = await broker_configs(kafka_admin, specs)
+        if all(got[s.name] == want(s, got[s.name]) for s in specs) or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(0.2)
+
+
 async def test_ensure_topics_applies_every_retention_setting(kafka_bootstrap, kafka_admin):
     specs = deployment_topics(T.Topology(f"ret-{uuid.uuid4().hex[:10]}"))
     try:
         await ensure_topics(kafka_bootstrap, specs)
-        got = await broker_configs(kafka_admin, specs)
+        got = await configs_as(kafka_admin, specs, expected)
         for s in specs:
             assert got[s.name] == expected(s, got[s.name]), s.name
         inbox = next(s for s in specs if s.name.endswith(T.EDGE_INBOX.name))
@@ -58,15 +76,17 @@ async def test_create_topics_applies_and_reapplies_every_retention_setting(kafka
     try:
         first = run("create-topics", env=env)
         assert first.returncode == 0, first.stdout + first.stderr
-        got = await broker_configs(kafka_admin, specs)
+        got = await configs_as(kafka_admin, specs, expected)
         for s in specs:
             assert got[s.name] == expected(s, got[s.name]), s.name
         # an existing topic that drifted is put back by the next run
         inbox = next(s for s in specs if s.name.endswith(T.EDGE_INBOX.name))
         await kafka_admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, inbox.name, configs={"retention.ms": "1"})])
+        drifted = await configs_as(kafka_admin, [inbox], lambda s, c: {**c, "retention.ms": "1"})
+        assert drifted[inbox.name]["retention.ms"] == "1"  # the drift is seen before the next run
         again = run("create-topics", env=env)
         assert again.returncode == 0, again.stdout + again.stderr
-        got = await broker_configs(kafka_admin, specs)
+        got = await configs_as(kafka_admin, specs, expected)
         for s in specs:
             assert got[s.name] == expected(s, got[s.name]), s.name
     finally:
